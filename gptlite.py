@@ -1,0 +1,162 @@
+"""GPTlite: the small character-level GPT of the post, trained on tiny Shakespeare.
+
+    python gptlite.py --preset cpu              # train checkpoints/cpu.pt and print a sample
+    python gptlite.py --preset gptlite --iters 5000
+
+Blog section: "GPTlite, the model we optimize". A decoder-only transformer with learned token and
+position embeddings, pre-LayerNorm blocks of multi-head attention and a ReLU MLP, and a linear head.
+Every other model of this repository (KV cache, GQA, MLA, pruned, distilled) loads this model's
+state dict where the architecture matches, so the attribute names below are part of the interface.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def scaled_dot_product_attention(Q, K, V, causal_mask=True, dropout=None):
+    """The explicit reference attention: scores matrix, causal mask, softmax, weighted values."""
+    # Q, K, V: [B, H, S, D]
+    d_head = Q.shape[-1]
+    scores = Q @ K.transpose(-2, -1) / d_head**0.5  # [B, H, S, S]
+    if causal_mask:
+        S = Q.shape[-2]
+        mask = torch.ones(S, S, dtype=torch.bool, device=Q.device).tril()  # [S, S], True = attend
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = F.softmax(scores, dim=-1)  # [B, H, S, S]
+    if dropout is not None:
+        weights = dropout(weights)
+    return weights @ V  # [B, H, S, D]
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, d_model, n_heads, d_head, dropout_p):
+        super().__init__()
+        self.n_heads, self.d_head = n_heads, d_head
+        # n_heads * d_head need not equal d_model (the post's preset: 6 x 64 = 384 against 512)
+        self.query_proj = nn.Linear(d_model, n_heads * d_head)
+        self.key_proj = nn.Linear(d_model, n_heads * d_head)
+        self.value_proj = nn.Linear(d_model, n_heads * d_head)
+        self.out_proj = nn.Linear(n_heads * d_head, d_model)
+        self.dropout = nn.Dropout(dropout_p)
+
+    def split_heads(self, x):
+        B, S, _ = x.shape  # [B, S, H*D]
+        return x.view(B, S, -1, self.d_head).transpose(1, 2)  # [B, H, S, D]
+
+    def merge_heads(self, x):
+        B, _, S, _ = x.shape  # [B, H, S, D]
+        return x.transpose(1, 2).reshape(B, S, -1)  # [B, S, H*D]
+
+    def forward(self, x):
+        # x: [B, S, d_model]
+        Q = self.split_heads(self.query_proj(x))  # [B, H, S, D]
+        K = self.split_heads(self.key_proj(x))
+        V = self.split_heads(self.value_proj(x))
+        out = scaled_dot_product_attention(Q, K, V, causal_mask=True, dropout=self.dropout)
+        return self.dropout(self.out_proj(self.merge_heads(out)))  # [B, S, d_model]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model, dropout_p):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model),
+            nn.ReLU(),
+            nn.Linear(4 * d_model, d_model),
+            nn.Dropout(dropout_p),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, n_heads, d_head, dropout_p):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.mha = MultiHeadAttention(d_model, n_heads, d_head, dropout_p)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.ffwd = FeedForward(d_model, dropout_p)
+
+    def forward(self, x):
+        x = x + self.mha(self.ln1(x))  # pre-LayerNorm residual blocks
+        x = x + self.ffwd(self.ln2(x))
+        return x
+
+
+class GPTlite(nn.Module):
+    def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen):
+        super().__init__()
+        self.seqlen = seqlen  # the context window: positions 0 .. seqlen-1 have an embedding
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(seqlen, d_model)
+        self.blocks = nn.Sequential(*[Block(d_model, n_heads, d_head, dropout_p) for _ in range(n_layers)])
+        self.ln = nn.LayerNorm(d_model)
+        self.fc_out = nn.Linear(d_model, vocab_size)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        # small normal weights and zero biases (GPT-2, nanoGPT): trains faster than PyTorch's defaults,
+        # whose N(0, 1) embeddings dwarf the residual updates
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx):
+        B, S = idx.shape  # idx: [B, S] token ids
+        if S > self.seqlen:
+            raise ValueError(f"GPTlite takes at most seqlen={self.seqlen} tokens, got {S}; crop the input")
+        positions = torch.arange(S, device=idx.device)
+        x = self.token_embedding(idx) + self.position_embedding(positions)  # [B, S, d_model]
+        x = self.blocks(x)
+        return self.fc_out(self.ln(x))  # [B, S, vocab_size]
+
+
+def check_generation_args(model, prompt, n_tokens, seqlen):
+    """Clear errors for bad generation input, before any work starts."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long:
+        raise ValueError("prompt must be a LongTensor of token ids of shape [batch, length]; "
+                         "for one prompt use prompt[None]")
+    if prompt.shape[0] < 1 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt is empty (shape {tuple(prompt.shape)}): give at least one token")
+    if not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    if not 1 <= seqlen <= model.seqlen:
+        raise ValueError(f"seqlen must be between 1 and the model's seqlen={model.seqlen}, got {seqlen}")
+    if prompt.shape[1] > seqlen:
+        raise ValueError(f"prompt of {prompt.shape[1]} tokens is longer than the window seqlen={seqlen}; "
+                         f"shorten it, e.g. keep its last {seqlen} tokens: prompt[:, -{seqlen}:]")
+
+
+@torch.inference_mode()
+def generate(model, prompt, n_tokens, seqlen):
+    """Greedy decoding without a cache: every step re-encodes the last `seqlen` tokens (sliding window).
+
+    prompt: [B, S] token ids. Returns the n_tokens new tokens, [B, n_tokens]."""
+    check_generation_args(model, prompt, n_tokens, seqlen)
+    idx = prompt
+    for _ in range(n_tokens):
+        logits = model(idx[:, -seqlen:])  # [B, <=seqlen, vocab]
+        next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+        idx = torch.cat([idx, next_token], dim=1)
+    return idx[:, prompt.shape[1]:]
+
+
+if __name__ == "__main__":
+    import argparse
+    import inference_utils as iu
+
+    parser = argparse.ArgumentParser(description="Train a GPTlite checkpoint and print a generated sample.")
+    iu.add_model_args(parser)
+    parser.add_argument("--iters", type=int, default=None, help="training steps (default: the preset's)")
+    parser.add_argument("--sample-tokens", type=int, default=300, help="length of the printed sample")
+    args = parser.parse_args()
+    preset, device, data = iu.setup(args, parser)
+    if args.iters is not None and args.iters < 1:
+        parser.error("--iters must be at least 1")
+    model = iu.train_checkpoint(preset, data, device, iters=args.iters, seed=args.seed)
+    prompt = torch.tensor([data.encode("\n")], device=device)
+    sample = generate(model.eval(), prompt, args.sample_tokens, model.seqlen)
+    print(data.decode(sample[0].tolist()))

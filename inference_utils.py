@@ -1,0 +1,586 @@
+"""Shared helpers of every script: presets, data, checkpoints, training, timing, memory, evaluation,
+reporting and the common flags. Written once here so that each main_<technique>.py stays thin."""
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from gptlite import GPTlite
+
+ROOT = Path(__file__).resolve().parent
+CHECKPOINT_DIR = ROOT / "checkpoints"
+
+
+class GPTliteError(RuntimeError):
+    """An error with a message that says what to do; scripts print it without a traceback."""
+
+
+class DataError(GPTliteError):
+    pass
+
+
+class CheckpointError(GPTliteError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# Presets: plain data, one place.
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    d_model: int       # embedding width
+    n_heads: int       # attention heads per block
+    d_head: int        # width of one head (n_heads * d_head need not equal d_model)
+    n_layers: int      # transformer blocks
+    dropout_p: float   # dropout while training
+    seqlen: int        # context window in characters
+    batch_size: int    # training batch, in sequences of seqlen
+    lr: float          # peak AdamW learning rate (warm-up, then cosine decay to lr/10)
+    iters: int         # training steps of the checkpoint
+    vocab_size: int = 65  # tiny Shakespeare has 65 distinct characters
+
+    def model_config(self):
+        """The keyword arguments of GPTlite(...) for this preset."""
+        return dict(vocab_size=self.vocab_size, d_model=self.d_model, n_heads=self.n_heads,
+                    d_head=self.d_head, n_layers=self.n_layers, dropout_p=self.dropout_p,
+                    seqlen=self.seqlen)
+
+
+PRESETS = {
+    # the post's model: 6 layers, d_model 512, 6 heads of 64, seqlen 128 (about 19M parameters)
+    "gptlite": Preset("gptlite", d_model=512, n_heads=6, d_head=64, n_layers=6, dropout_p=0.1,
+                      seqlen=128, batch_size=32, lr=6e-4, iters=5000),
+    # the post's smaller student: fewer layers, smaller embedding, same vocabulary and window
+    "distilled": Preset("distilled", d_model=256, n_heads=4, d_head=64, n_layers=3, dropout_p=0.1,
+                        seqlen=128, batch_size=32, lr=1e-3, iters=5000),
+    # a 0.8M-parameter model that trains on 2 CPU cores in minutes
+    "cpu": Preset("cpu", d_model=128, n_heads=4, d_head=32, n_layers=4, dropout_p=0.0,
+                  seqlen=128, batch_size=32, lr=3e-3, iters=800),
+}
+
+
+def get_preset(name):
+    if isinstance(name, Preset):
+        return name
+    if name not in PRESETS:
+        raise GPTliteError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: tiny Shakespeare, character level, first 90% train, last 10% validation.
+
+DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DATA_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+DATA_BYTES = 1_115_394
+DEFAULT_DATA = ROOT / "data" / "tinyshakespeare.txt"
+
+
+def data_help():
+    return ("Give the tiny Shakespeare file in one of three ways: --data PATH, the GPTLITE_DATA "
+            f"environment variable, or {DEFAULT_DATA} (downloaded from {DATA_URL} when missing and online).")
+
+
+@dataclass
+class Data:
+    vocab: str           # the sorted characters; token id = index
+    train: torch.Tensor  # [N_train] token ids
+    val: torch.Tensor    # [N_val] token ids
+
+    def encode(self, text):
+        unknown = sorted(set(text) - set(self.vocab))
+        if unknown:
+            raise ValueError(f"characters {unknown} are not in the tiny Shakespeare vocabulary")
+        index = {c: i for i, c in enumerate(self.vocab)}
+        return [index[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.vocab[i] for i in ids)
+
+
+def _download(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    try:
+        with urllib.request.urlopen(DATA_URL, timeout=30) as response:
+            tmp.write_bytes(response.read())
+    except (urllib.error.URLError, OSError) as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"no data file found and the download failed ({e}). {data_help()}") from None
+    os.replace(tmp, path)
+
+
+def load_data(path=None):
+    """Load tiny Shakespeare from `path`, else $GPTLITE_DATA, else data/ (downloading it there)."""
+    if path:
+        path, source = Path(path), "--data"
+    elif os.environ.get("GPTLITE_DATA"):
+        path, source = Path(os.environ["GPTLITE_DATA"]), "GPTLITE_DATA"
+    else:
+        path, source = DEFAULT_DATA, None
+    if not path.is_file():
+        if source is not None:  # an explicit path that is wrong is an error, not a reason to download
+            raise DataError(f"{source} points at {path}, which is not a file. {data_help()}")
+        _download(path)
+    raw = path.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != DATA_SHA256:
+        raise DataError(f"{path} is not the canonical tiny Shakespeare ({len(raw):,} bytes, sha256 {digest}; "
+                        f"expected {DATA_BYTES:,} bytes, sha256 {DATA_SHA256}). Replace it. {data_help()}")
+    text = raw.decode("utf-8")
+    vocab = "".join(sorted(set(text)))
+    table = torch.zeros(256, dtype=torch.long)  # byte -> token id (the canonical file is ASCII)
+    for i, c in enumerate(vocab):
+        table[ord(c)] = i
+    tokens = table[torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()]
+    n_train = int(0.9 * len(tokens))
+    return Data(vocab=vocab, train=tokens[:n_train], val=tokens[n_train:])
+
+
+def get_batch(tokens, batch_size, seqlen, generator=None, device="cpu"):
+    """Random windows of `tokens`: inputs and next-token targets, each [batch_size, seqlen]."""
+    starts = torch.randint(len(tokens) - seqlen - 1, (batch_size,), generator=generator)
+    x = torch.stack([tokens[s:s + seqlen] for s in starts])
+    y = torch.stack([tokens[s + 1:s + seqlen + 1] for s in starts])
+    return x.to(device), y.to(device)
+
+
+def sample_prompts(data, n_prompts, length, seed=0, device="cpu"):
+    """`n_prompts` windows of `length` characters from the validation split: [n_prompts, length]."""
+    if not 1 <= length < len(data.val):
+        raise ValueError(f"prompt length must be between 1 and {len(data.val) - 1}, got {length}")
+    generator = torch.Generator().manual_seed(seed)
+    return get_batch(data.val, n_prompts, length, generator, device)[0]
+
+
+def logits_of(output):
+    """Models with a KV cache return (logits, cache); the others return logits."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+@torch.no_grad()
+def validation_loss(model, data, n_batches=20, batch_size=32, seqlen=None, seed=1234):
+    """Mean cross entropy (nats per character) on fixed-seed validation batches, the same for every model."""
+    seqlen = seqlen or model.seqlen
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    losses = []
+    for _ in range(n_batches):
+        x, y = get_batch(data.val, batch_size, seqlen, generator, device)
+        logits = logits_of(model(x))  # [B, S, vocab]
+        losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training: one loop for checkpoints and for the short uptraining of converted models.
+
+def cross_entropy_loss(model, x, y):
+    return F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
+
+
+def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_interval=None,
+                loss_fn=cross_entropy_loss, desc="training"):
+    """Train `model` for `n_steps` AdamW steps (warm-up, cosine decay, gradient clipping at 1.0).
+
+    Returns the validation history [{"step", "val_loss"}], evaluated every `eval_interval` steps
+    and after the last one. `loss_fn(model, x, y)` lets distillation swap the loss."""
+    if n_steps < 1:
+        raise ValueError(f"n_steps must be at least 1, got {n_steps}")
+    device = next(model.parameters()).device
+    eval_interval = eval_interval or max(n_steps // 5, 1)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
+    warmup = min(100, max(n_steps // 10, 1))
+
+    def lr_at(step):  # linear warm-up, then cosine decay to lr/10
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress = (step - warmup) / max(n_steps - warmup, 1)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    history = []
+    model.train()
+    bar = tqdm(range(n_steps), desc=desc, dynamic_ncols=True, mininterval=0.5)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        x, y = get_batch(data.train, batch_size, seqlen, generator, device)
+        loss = loss_fn(model, x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if (step + 1) % eval_interval == 0 or step + 1 == n_steps:
+            history.append({"step": step + 1, "val_loss": validation_loss(model, data, n_batches=10)})
+            model.train()
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history[-1]['val_loss']:.3f}")
+        elif step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return history
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: config + vocabulary + state dict, written atomically, loaded with weights_only=True.
+
+def checkpoint_path(name):
+    return CHECKPOINT_DIR / f"{name}.pt"
+
+
+def atomic_torch_save(obj, path):
+    """Write to a temporary file, then rename: a killed run never leaves a corrupt checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(path, model, config, vocab, **meta):
+    atomic_torch_save({"config": dict(config), "vocab": vocab, "state_dict": model.state_dict(),
+                       "meta": meta}, path)
+
+
+def load_checkpoint(path, config=None, vocab=None):
+    """Read a checkpoint; a different `config` or `vocab` than asked for is a clear error."""
+    path = Path(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt["config"], ckpt["vocab"], ckpt["state_dict"]
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); "
+                              "delete it to train a new one") from None
+    if config is not None and ckpt["config"] != dict(config):
+        diff = {k: (ckpt["config"].get(k), v) for k, v in dict(config).items() if ckpt["config"].get(k) != v}
+        raise CheckpointError(f"{path} was trained with another configuration (as saved, as asked: {diff}); "
+                              "delete it or train this one with: python gptlite.py --preset NAME")
+    if vocab is not None and ckpt["vocab"] != vocab:
+        raise CheckpointError(f"{path} was trained on another vocabulary than this data file's; "
+                              "use the matching data file or retrain with: python gptlite.py --preset NAME")
+    return ckpt
+
+
+def train_checkpoint(preset, data, device, iters=None, seed=0, path=None):
+    """Train a GPTlite of `preset` from a fixed seed and save it as checkpoints/<preset>.pt."""
+    preset = get_preset(preset)
+    iters = iters or preset.iters
+    torch.manual_seed(seed)
+    model = GPTlite(**preset.model_config()).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"training preset {preset.name!r} ({n_params / 1e6:.2f}M parameters) for {iters} steps on {device}")
+    history = train_steps(model, data, iters, preset.batch_size, preset.seqlen, preset.lr, seed=seed,
+                          desc=f"training {preset.name}")
+    path = path or checkpoint_path(preset.name)
+    save_checkpoint(path, model, preset.model_config(), data.vocab, preset=preset.name, iters=iters,
+                    seed=seed, val_loss=history[-1]["val_loss"])
+    print(f"saved {path} (validation loss {history[-1]['val_loss']:.4f})")
+    return model
+
+
+def load_model(model_class, preset, device="cpu", data=None, untrained=False, path=None, seed=0,
+               **model_kwargs):
+    """Build `model_class` for `preset` with the weights of checkpoints/<preset>.pt (or `path`).
+
+    A missing checkpoint is trained first (needs `data`); `untrained=True` keeps random weights.
+    `model_kwargs` are the extra constructor arguments of variants (e.g. n_groups). Returns the model
+    on `device`, in eval mode."""
+    preset = get_preset(preset)
+    config = preset.model_config()
+    if untrained:
+        torch.manual_seed(seed)
+        return model_class(**config, **model_kwargs).to(device).eval()
+    path = Path(path) if path else checkpoint_path(preset.name)
+    if not path.exists():
+        if data is None:
+            raise CheckpointError(f"no checkpoint at {path}; pass data to train one, or run: "
+                                  f"python gptlite.py --preset {preset.name}")
+        print(f"no checkpoint at {path}: training one first")
+        train_checkpoint(preset, data, device, seed=seed, path=path)
+    ckpt = load_checkpoint(path, config=config, vocab=data.vocab if data is not None else None)
+    model = model_class(**ckpt["config"], **model_kwargs)
+    try:
+        model.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as e:
+        first = str(e).splitlines()[1:3]
+        raise CheckpointError(f"{path} does not fit {model_class.__name__}{model_kwargs or ''}: "
+                              f"{' '.join(s.strip() for s in first)}; convert the weights or load the "
+                              "model class the checkpoint was saved from") from None
+    return model.to(device).eval()
+
+
+def model_size_mb(model):
+    """Parameters and buffers, in MiB."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing and memory.
+
+def get_device(name=None):
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GPTliteError(f"--device {name} asked for CUDA, which this machine does not have; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise GPTliteError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """`with Timer(device) as t: ...` then `t.seconds`; synchronizes CUDA before reading the clock."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __enter__(self):
+        synchronize(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.start
+
+
+def time_fn(fn, device="cpu", warmup=1, repeats=5):
+    """Median wall time of `fn()` in seconds over `repeats` runs, after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        with Timer(device) as t:
+            fn()
+        times.append(t.seconds)
+    return statistics.median(times)
+
+
+def compare_generation(variants, n_tokens, batch_size, device="cpu", warmup=1, repeats=5):
+    """TTFT, TPOT and throughput of each `variants[name](n)`, a call that generates n tokens per sequence.
+
+    TTFT is the median time to the first token (prefill + one sample); TPOT is the extra time of the
+    other n_tokens - 1 tokens, per token; throughput counts every sequence of the batch. The variants
+    are timed round-robin, so that a slow moment of the machine falls on all of them alike."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn(1), fn(n_tokens)
+    times = {name: {1: [], n_tokens: []} for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            for n in (1, n_tokens):
+                with Timer(device) as t:
+                    fn(n)
+                times[name][n].append(t.seconds)
+    results = {}
+    for name in variants:
+        ttft, total = statistics.median(times[name][1]), statistics.median(times[name][n_tokens])
+        results[name] = {"ttft_ms": ttft * 1e3,
+                         "tpot_ms": (total - ttft) / (n_tokens - 1) * 1e3 if n_tokens > 1 else None,
+                         "tokens_per_s": batch_size * n_tokens / total}
+    return results
+
+
+def measure_generation(generate_fn, n_tokens, batch_size, device="cpu", warmup=1, repeats=5):
+    """compare_generation for one variant."""
+    return compare_generation({"": generate_fn}, n_tokens, batch_size, device, warmup, repeats)[""]
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """The profiler's library prints start/stop lines on stderr; hide them while it runs."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_memory_mb(fn, device="cpu"):
+    """Peak memory that `fn()` allocates above what was allocated when it started, in MiB.
+
+    CUDA: torch.cuda.max_memory_allocated after a reset. CPU: the PyTorch profiler's allocation
+    events (every tensor allocation and free, in order), whose running sum's maximum is the peak of
+    tensor memory. Both count tensors only, not the Python process around them."""
+    if torch.device(device).type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - start) / 2**20
+    from torch.profiler import ProfilerActivity, profile
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak / 2**20
+
+
+def peak_memory_label(device):
+    return ("peak_mem_mb: torch.cuda.max_memory_allocated above the start" if torch.device(device).type == "cuda"
+            else "peak_mem_mb: peak tensor memory above the start, from the PyTorch profiler's CPU allocation events")
+
+
+def kv_cache_bytes(kv_cache):
+    """Bytes held by a cache: a tensor, nested lists/tuples of tensors, or a module's buffers."""
+    if kv_cache is None:
+        return 0
+    if isinstance(kv_cache, torch.Tensor):
+        return kv_cache.numel() * kv_cache.element_size()
+    if isinstance(kv_cache, nn.Module):
+        return sum(kv_cache_bytes(b) for b in kv_cache.buffers())
+    if isinstance(kv_cache, (list, tuple)):
+        return sum(kv_cache_bytes(c) for c in kv_cache)
+    raise TypeError(f"cannot count the bytes of a {type(kv_cache).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Flags, set-up and reporting.
+
+def add_model_args(parser):
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="model preset (default: gptlite on CUDA, cpu elsewhere)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of training, prompts and weights")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="tiny Shakespeare file (default: $GPTLITE_DATA, else data/tinyshakespeare.txt)")
+
+
+def add_common_args(parser):
+    add_model_args(parser)
+    parser.add_argument("--untrained", action="store_true",
+                        help="random weights, no checkpoint: a quick smoke run (loss figures are meaningless)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="also save the script's plot as PNG to PATH")
+
+
+def setup(args, parser):
+    """Check the common flags, choose device and preset (and say which), load the data."""
+    for flag in ("json", "plot"):
+        out = getattr(args, flag, None)
+        if out is not None:
+            if not Path(out).resolve().parent.is_dir():
+                parser.error(f"--{flag} {out}: the folder {Path(out).parent} does not exist")
+            if flag == "plot" and Path(out).suffix.lower() != ".png":
+                parser.error(f"--plot {out}: the plot is a PNG, give a path ending in .png")
+    try:
+        device = get_device(args.device)
+    except GPTliteError as e:
+        parser.error(str(e))
+    preset = get_preset(args.preset or ("gptlite" if device.type == "cuda" else "cpu"))
+    print(f"preset: {preset.name} ({'from --preset' if args.preset else 'default for ' + device.type}), "
+          f"device: {device}, torch {torch.__version__}")
+    torch.manual_seed(args.seed)
+    return preset, device, load_data(args.data)
+
+
+def run(main):
+    """Run a script's main(); our own errors are printed as one clear line, without a traceback."""
+    try:
+        main()
+    except GPTliteError as e:
+        sys.exit(f"error: {e}")
+
+
+COLUMNS = [  # key, header, format
+    ("variant", "variant", "{}"),
+    ("ttft_ms", "TTFT ms", "{:.2f}"),
+    ("tpot_ms", "TPOT ms", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("peak_mem_mb", "peak MB", "{:.2f}"),
+    ("kv_cache_mb", "KV MB", "{:.3f}"),
+    ("val_loss", "val loss", "{:.4f}"),
+]
+
+
+def make_row(variant, **figures):
+    """A result row with every standard column (None where a figure does not apply) plus extras."""
+    row = {key: None for key, _, _ in COLUMNS}
+    row.update(variant=variant, **figures)
+    return row
+
+
+def format_table(rows, untrained=False):
+    extra = [k for k in rows[0] if k not in {c[0] for c in COLUMNS}]
+    columns = COLUMNS + [(k, k, "{}") for k in extra]
+
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        text = fmt.format(value) if not isinstance(value, str) else value
+        return text + "*" if key == "val_loss" and untrained else text
+
+    table = [[header for _, header, _ in columns]] + [[cell(r, k, f) for k, _, f in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+             for line in table]
+    lines.insert(1, "-" * len(lines[0]))
+    if untrained:
+        lines.append("* untrained weights (--untrained): loss figures are meaningless")
+    return "\n".join(lines)
+
+
+def print_table(rows, untrained=False):
+    print(format_table(rows, untrained))
+
+
+def save_json(path, script, preset, device, rows, untrained=False, **extra):
+    """Write the results as {"script", "preset", "device", "rows": [...]} (temp file, then rename)."""
+    result = {"script": script, "preset": preset.name, "device": str(device), "untrained": untrained,
+              "torch": torch.__version__, "preset_config": asdict(preset), "rows": rows, **extra}
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+
+
+def save_plot(fig, path):
+    """Save a matplotlib figure as PNG (temp file, then rename)."""
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    print(f"saved {path}")
+
+
+def new_figure(n_axes=1):
+    import matplotlib
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, n_axes, figsize=(6 * n_axes, 4.2))
+    return fig, axes

@@ -1,0 +1,148 @@
+"""KV cache: greedy generation without a cache, with the post's dynamic cache, and with a static cache.
+
+    python main_kvcache.py                                  # cpu preset on CPU, gptlite on CUDA
+    python main_kvcache.py --prompt-len 32 --n-tokens 128 --json kv.json --plot kv.png
+    python main_kvcache.py --untrained                      # random weights, a quick smoke run
+
+Blog section: "KV cache". Without a cache every new token re-encodes the last `seqlen` tokens; with
+one, each step encodes only the new token and attends to the stored keys and values. The dynamic
+cache grows with torch.cat; the static one is preallocated and written in place (gpt-fast).
+
+The script checks that both caches produce exactly the tokens of generation without a cache while
+the sequence fits the window (the first seqlen - prompt_len + 1 new tokens); past it the post's cache
+keeps the last seqlen entries (positions frozen at seqlen-1), an approximation of the sliding window,
+so later tokens may differ and are only counted.
+"""
+import argparse
+
+import torch
+
+import inference_utils as iu
+from gptlite import GPTlite, generate
+from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
+
+
+def check_args(args, parser, seqlen):
+    if not 1 <= args.prompt_len <= seqlen:
+        parser.error(f"--prompt-len must be between 1 and the model's seqlen={seqlen}, got {args.prompt_len}")
+    for flag, value, low in [("--n-tokens", args.n_tokens, 2), ("--batch-sizes", min(args.batch_sizes), 1),
+                             ("--repeats", args.repeats, 1)]:
+        if value < low:
+            parser.error(f"{flag} must be at least {low}, got {value}")
+
+
+def make_variants(base, cached, prompts, seqlen):
+    """The three variants as functions of the number of new tokens, on the same prompts."""
+    static_cache = StaticKVCache.for_model(cached, prompts.shape[0], seqlen)  # allocated once, reused
+
+    def static(n):
+        static_cache.reset()
+        return generate_kvcache(cached, prompts, n, seqlen, kv_cache=static_cache)
+
+    return {
+        "no cache": (lambda n: generate(base, prompts, n, seqlen), None),
+        "dynamic KV cache": (lambda n: generate_kvcache(cached, prompts, n, seqlen), None),
+        "static KV cache": (static, static_cache),
+    }
+
+
+def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_losses):
+    """One row per variant for a batch of prompts; the first in-window tokens must equal no-cache's."""
+    variants = make_variants(base, cached, prompts, seqlen)
+    tokens = {name: fn(n_tokens) for name, (fn, _) in variants.items()}  # correctness first
+    in_window = min(seqlen - prompts.shape[1] + 1, n_tokens)
+    reference = tokens["no cache"]
+    timings = iu.compare_generation({name: fn for name, (fn, _) in variants.items()}, n_tokens,
+                                    prompts.shape[0], device, warmup=1, repeats=repeats)
+    rows = []
+    for name, (fn, static_cache) in variants.items():
+        same = torch.equal(tokens[name][:, :in_window], reference[:, :in_window])
+        after = (tokens[name][:, in_window:] == reference[:, in_window:]).float().mean().item()
+        if name == "no cache":
+            kv_bytes = None
+        elif static_cache is not None:
+            kv_bytes = iu.kv_cache_bytes(static_cache)  # preallocated for seqlen
+        else:  # the dynamic cache at the end of generation holds the last min(length, seqlen) tokens
+            full = torch.cat([prompts, tokens[name][:, :-1]], dim=1)
+            kv_bytes = iu.kv_cache_bytes(cached(full[:, -seqlen:])[1])
+        rows.append(iu.make_row(
+            name, batch_size=prompts.shape[0], **timings[name],
+            peak_mem_mb=iu.peak_memory_mb(lambda: fn(n_tokens), device),
+            kv_cache_mb=kv_bytes / 2**20 if kv_bytes is not None else None,
+            val_loss=val_losses[name],
+            same_in_window="yes" if same else "NO",
+            same_after_window=f"{after:.0%}" if n_tokens > in_window else "-"))
+    return rows, {name: fn for name, (fn, _) in variants.items()}
+
+
+def plot_tpot_sweep(sweep, path, preset, device):
+    fig, ax = iu.new_figure()
+    styles = ["-", "--", ":", "-."]
+    for i, (batch_size, by_variant) in enumerate(sweep.items()):
+        for j, (variant, points) in enumerate(by_variant.items()):
+            ax.plot(points["n_tokens"], points["tpot_ms"], marker="o", color=f"C{j}",
+                    linestyle=styles[i % len(styles)], label=f"{variant}, batch {batch_size}")
+    ax.set(xscale="log", yscale="log", xlabel="generated tokens", ylabel="TPOT (ms)",
+           title=f"TPOT against generated tokens ({preset.name}, {device})")
+    ax.legend(fontsize=8)
+    iu.save_plot(fig, path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in characters")
+    parser.add_argument("--n-tokens", type=int, default=128, help="new tokens generated per prompt (at least 2)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
+                        help="numbers of prompts generated together, a row group each")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
+    args = parser.parse_args(argv)
+    preset, device, data = iu.setup(args, parser)
+    check_args(args, parser, preset.seqlen)
+
+    base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
+    cached = GPTlite_KVCache(**preset.model_config()).to(device).eval()
+    cached.load_state_dict(base.state_dict())  # the same weights, trained or not
+    seqlen = preset.seqlen
+    val_losses = {"no cache": iu.validation_loss(base, data)}
+    val_losses["dynamic KV cache"] = val_losses["static KV cache"] = iu.validation_loss(cached, data)
+
+    rows, fns_by_batch = [], {}
+    for batch_size in args.batch_sizes:
+        prompts = iu.sample_prompts(data, batch_size, args.prompt_len, seed=args.seed, device=device)
+        batch_rows, fns_by_batch[batch_size] = measure_batch(base, cached, prompts, args.n_tokens, seqlen,
+                                                             device, args.repeats, val_losses)
+        rows += batch_rows
+
+    in_window = min(seqlen - args.prompt_len + 1, args.n_tokens)
+    print(f"\nprompts of {args.prompt_len} tokens, {args.n_tokens} new tokens each, window seqlen={seqlen} "
+          f"(the first {in_window} new tokens must match no cache), median of {args.repeats} runs")
+    iu.print_table(rows, untrained=args.untrained)
+    print(iu.peak_memory_label(device))
+    for batch_size in args.batch_sizes:
+        no_cache, dynamic, static = (r["tpot_ms"] for r in rows if r["batch_size"] == batch_size)
+        print(f"batch {batch_size}: TPOT no cache / dynamic = {no_cache / dynamic:.2f}x, "
+              f"static / dynamic = {static / dynamic:.2f}")
+
+    sweep = None
+    if args.plot:
+        counts = sorted({n for n in (8, 16, 32, 64, 128, 256, 512) if n <= 2 * args.n_tokens} | {args.n_tokens})
+        sweep = {}
+        for batch_size, fns in fns_by_batch.items():
+            by_count = [iu.compare_generation(fns, n, batch_size, device, repeats=min(3, args.repeats))
+                        for n in counts]
+            sweep[batch_size] = {name: {"n_tokens": counts, "tpot_ms": [r[name]["tpot_ms"] for r in by_count]}
+                                 for name in fns}
+        plot_tpot_sweep(sweep, args.plot, preset, device)
+    if args.json:
+        iu.save_json(args.json, "main_kvcache.py", preset, device, rows, untrained=args.untrained,
+                     prompt_len=args.prompt_len, n_tokens=args.n_tokens, tokens_in_window=in_window,
+                     tpot_sweep=sweep)
+    failures = sorted({f"{r['variant']} (batch {r['batch_size']})" for r in rows if r["same_in_window"] != "yes"})
+    if failures:
+        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generation without a cache "
+                              f"within the window; this is a bug")
+
+
+if __name__ == "__main__":
+    iu.run(main)

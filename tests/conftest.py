@@ -1,0 +1,34 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gptlite import GPTlite  # noqa: E402
+from gptlite_kvcache import GPTlite_KVCache  # noqa: E402
+
+# A tiny GPTlite with n_heads * d_head (24) != d_model (32), like the post's preset (384 against 512).
+TINY = dict(vocab_size=65, d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16)
+
+
+@pytest.fixture
+def tiny_models():
+    """The same random weights in GPTlite and GPTlite_KVCache, in eval mode."""
+    torch.manual_seed(0)
+    base = GPTlite(**TINY).eval()
+    cached = GPTlite_KVCache(**TINY).eval()
+    cached.load_state_dict(base.state_dict())
+    return base, cached
+
+
+@pytest.fixture(scope="session")
+def real_data():
+    """Tiny Shakespeare from $GPTLITE_DATA (CI sets it); skipped, with the reason, when it is not there."""
+    path = os.environ.get("GPTLITE_DATA")
+    if not path or not Path(path).is_file():
+        pytest.skip("GPTLITE_DATA does not point at tinyshakespeare.txt (CI sets it; tests never download)")
+    import inference_utils as iu
+    return iu.load_data(path)

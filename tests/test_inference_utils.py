@@ -1,0 +1,247 @@
+"""Data, checkpoints, training, memory and reporting helpers, and their clear errors."""
+import json
+import urllib.error
+from dataclasses import replace
+
+import pytest
+import torch
+
+import inference_utils as iu
+from conftest import TINY
+from gptlite import GPTlite
+from gptlite_kvcache import GPTlite_KVCache, StaticKVCache
+
+TINY_PRESET = iu.Preset("tiny", d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16,
+                        batch_size=8, lr=3e-3, iters=3)
+
+
+def synthetic_data(text="to be or not to be, that is the question\n" * 50):
+    """A small Data object for checkpoint tests that need no real corpus."""
+    vocab = "".join(sorted(set(text)))
+    tokens = torch.tensor([vocab.index(c) for c in text])
+    n = int(0.9 * len(tokens))
+    return iu.Data(vocab=vocab, train=tokens[:n], val=tokens[n:])
+
+
+def tiny_preset_for(data, **changes):
+    return replace(TINY_PRESET, vocab_size=len(data.vocab), **changes)
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def test_real_data_is_character_level_and_split_90_10(real_data):
+    assert len(real_data.vocab) == 65
+    assert len(real_data.train) + len(real_data.val) == iu.DATA_BYTES
+    assert len(real_data.train) == int(0.9 * iu.DATA_BYTES)
+    assert real_data.decode(real_data.train[:14].tolist()) == "First Citizen:"
+    assert real_data.encode("First") == real_data.train[:5].tolist()
+
+
+def test_wrong_hash_is_a_clear_error(tmp_path):
+    path = tmp_path / "tinyshakespeare.txt"
+    path.write_text("not Shakespeare\n")
+    with pytest.raises(iu.DataError, match="not the canonical tiny Shakespeare") as e:
+        iu.load_data(path)
+    assert "--data" in str(e.value) and "GPTLITE_DATA" in str(e.value)
+
+
+def test_missing_explicit_path_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTLITE_DATA", str(tmp_path / "nowhere.txt"))
+    with pytest.raises(iu.DataError, match="GPTLITE_DATA points at"):
+        iu.load_data()
+    with pytest.raises(iu.DataError, match="--data points at"):
+        iu.load_data(tmp_path / "missing.txt")
+
+
+def test_missing_data_offline_names_the_three_ways(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPTLITE_DATA", raising=False)
+    default = tmp_path / "data" / "tinyshakespeare.txt"
+    monkeypatch.setattr(iu, "DEFAULT_DATA", default)
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(iu.urllib.request, "urlopen", offline)
+    with pytest.raises(iu.DataError, match="download failed") as e:
+        iu.load_data()
+    assert all(way in str(e.value) for way in ("--data", "GPTLITE_DATA", str(default)))
+    assert not default.exists() and not list(default.parent.glob("*"))  # no partial file left behind
+
+
+def test_sample_prompts_are_fixed_by_the_seed(real_data):
+    a = iu.sample_prompts(real_data, 3, 20, seed=7)
+    assert a.shape == (3, 20) and a.dtype == torch.long
+    assert torch.equal(a, iu.sample_prompts(real_data, 3, 20, seed=7))
+    assert not torch.equal(a, iu.sample_prompts(real_data, 3, 20, seed=8))
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+def test_missing_checkpoint_is_trained_saved_and_loads_in_every_class(tmp_path):
+    data = synthetic_data()
+    preset = tiny_preset_for(data)
+    path = tmp_path / "tiny.pt"
+    model = iu.load_model(GPTlite, preset, data=data, path=path)
+    assert path.exists() and not list(tmp_path.glob("*.tmp*"))
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["config"] == preset.model_config() and ckpt["vocab"] == data.vocab
+    cached = iu.load_model(GPTlite_KVCache, preset, data=data, path=path)  # the same state dict
+    for (k, a), (_, b) in zip(model.state_dict().items(), cached.state_dict().items()):
+        assert torch.equal(a, b), k
+    x = data.val[None, :16]
+    torch.testing.assert_close(cached(x)[0], model(x), atol=1e-6, rtol=0)
+
+
+def test_checkpoint_of_another_config_is_a_clear_error(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    with pytest.raises(iu.CheckpointError, match="another configuration.*n_layers"):
+        iu.load_model(GPTlite, tiny_preset_for(data, n_layers=3), data=data, path=path)
+
+
+def test_checkpoint_of_another_vocabulary_is_a_clear_error(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    other = synthetic_data("to be or not to be, that is the zuestion\n" * 50)  # same size, another letter
+    with pytest.raises(iu.CheckpointError, match="another vocabulary"):
+        iu.load_model(GPTlite, tiny_preset_for(other), data=other, path=path)
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "tiny.pt"
+    path.write_bytes(b"\x80\x02 half a checkpoint")
+    with pytest.raises(iu.CheckpointError, match="not a readable checkpoint"):
+        iu.load_model(GPTlite, TINY_PRESET, data=synthetic_data(), path=path)
+
+
+def test_checkpoint_that_does_not_fit_the_class_is_a_clear_error(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["state_dict"]["fc_out.bias"]
+    torch.save(ckpt, path)
+    with pytest.raises(iu.CheckpointError, match="does not fit GPTlite"):
+        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+def test_a_failed_save_leaves_no_file(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+
+    def killed(obj, f):
+        open(f, "wb").write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(iu.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        iu.atomic_torch_save({"x": 1}, path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    iu.atomic_torch_save({"x": torch.ones(2)}, path)
+    monkeypatch.setattr(iu.torch, "save", lambda obj, f: (open(f, "wb").write(b"half"), 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        iu.atomic_torch_save({"x": torch.zeros(2)}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
+
+
+def test_untrained_models_are_seeded():
+    a = iu.load_model(GPTlite, TINY_PRESET, untrained=True, seed=3)
+    b = iu.load_model(GPTlite, TINY_PRESET, untrained=True, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+# --- training and evaluation --------------------------------------------------------------------
+
+def test_validation_loss_is_the_same_for_every_model_class(real_data):
+    torch.manual_seed(0)
+    base = GPTlite(**TINY).eval()
+    cached = GPTlite_KVCache(**TINY).eval()
+    cached.load_state_dict(base.state_dict())
+    loss = iu.validation_loss(base, real_data, n_batches=3, batch_size=4)
+    assert loss == iu.validation_loss(base, real_data, n_batches=3, batch_size=4)
+    assert loss == pytest.approx(iu.validation_loss(cached, real_data, n_batches=3, batch_size=4), abs=1e-6)
+
+
+def test_a_short_training_run_lowers_the_validation_loss(real_data):
+    torch.manual_seed(0)
+    model = GPTlite(**TINY)
+    before = iu.validation_loss(model, real_data, n_batches=5, batch_size=16)
+    history = iu.train_steps(model, real_data, 60, batch_size=16, seqlen=TINY["seqlen"], lr=3e-3, eval_interval=30)
+    assert [h["step"] for h in history] == [30, 60]
+    after = iu.validation_loss(model, real_data, n_batches=5, batch_size=16)
+    assert after < before - 0.5, (before, after)
+    assert not model.training
+
+
+# --- measurement --------------------------------------------------------------------------------
+
+def test_peak_memory_sees_a_temporary_allocation():
+    def work():
+        x = torch.ones(2**21)  # 8 MiB of float32, freed on return
+        return (x * 2).sum()  # and another 8 MiB while both are alive
+
+    peak = iu.peak_memory_mb(work)
+    assert 16 <= peak < 17
+
+
+def test_kv_cache_bytes_by_hand(tiny_models):
+    _, cached = tiny_models
+    _, cache = cached(torch.zeros(2, 5, dtype=torch.long))
+    per_layer = 2 * (2 * TINY["n_heads"] * 5 * TINY["d_head"]) * 4  # keys and values, float32
+    assert iu.kv_cache_bytes(cache) == TINY["n_layers"] * per_layer
+    static = StaticKVCache.for_model(cached, 2)
+    assert iu.kv_cache_bytes(static) == TINY["n_layers"] * per_layer * TINY["seqlen"] // 5
+    assert iu.kv_cache_bytes(None) == 0
+
+
+def test_measure_generation_times_one_token_and_n_tokens():
+    calls = []
+    result = iu.measure_generation(calls.append, n_tokens=10, batch_size=4, warmup=1, repeats=3)
+    assert calls == [1, 10] * 4  # warm-up plus repeats, for TTFT and for the whole generation
+    assert set(result) == {"ttft_ms", "tpot_ms", "tokens_per_s"}
+
+
+def test_compare_generation_interleaves_the_variants():
+    calls = []
+    results = iu.compare_generation({"a": lambda n: calls.append(("a", n)), "b": lambda n: calls.append(("b", n))},
+                                    n_tokens=5, batch_size=1, warmup=1, repeats=2)
+    assert list(results) == ["a", "b"]
+    assert calls == [("a", 1), ("a", 5), ("b", 1), ("b", 5)] * 3
+
+
+def test_model_size_mb(tiny_models):
+    base, _ = tiny_models
+    n = sum(p.numel() for p in base.parameters())
+    assert iu.model_size_mb(base) == pytest.approx(n * 4 / 2**20)
+
+
+# --- flags and reporting ------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_asking_for_cuda_without_it_is_a_clear_error():
+    with pytest.raises(iu.GPTliteError, match="does not have"):
+        iu.get_device("cuda")
+
+
+def test_table_marks_missing_figures_and_untrained_losses():
+    rows = [iu.make_row("a", ttft_ms=1.234, val_loss=4.2), iu.make_row("b", tpot_ms=0.5)]
+    text = iu.format_table(rows, untrained=True)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["variant", "TTFT", "ms"]
+    assert "1.23" in lines[2] and "4.2000*" in lines[2] and " - " in lines[3]
+    assert "meaningless" in lines[-1]
+
+
+def test_json_has_the_common_schema(tmp_path):
+    path = tmp_path / "r.json"
+    iu.save_json(path, "main_x.py", TINY_PRESET, "cpu", [iu.make_row("a", ttft_ms=1.0)])
+    result = json.loads(path.read_text())
+    assert {"script", "preset", "device", "rows"} <= set(result)
+    assert set(result["rows"][0]) >= {"variant", "ttft_ms", "tpot_ms", "tokens_per_s", "peak_mem_mb",
+                                      "kv_cache_mb", "val_loss"}
+    assert result["rows"][0]["tpot_ms"] is None

@@ -1,0 +1,167 @@
+"""The KV cache (dynamic and static) against the model without a cache: logits and greedy tokens."""
+import pytest
+import torch
+
+from conftest import TINY
+from gptlite import GPTlite, generate, scaled_dot_product_attention
+from gptlite_kvcache import (GPTlite_KVCache, StaticKVCache, decode_one_token, generate_kvcache,
+                             kv_cache_length, scaled_dot_product_attention_kv_cache)
+
+ATOL = 1e-5  # float32
+SEQLEN = TINY["seqlen"]
+
+
+def new_cache(kind, model, batch_size):
+    return None if kind == "dynamic" else StaticKVCache.for_model(model, batch_size)
+
+
+def random_tokens(batch_size, length, seed=1):
+    return torch.randint(TINY["vocab_size"], (batch_size, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_same_parameters_and_state_dict_keys(tiny_models):
+    base, cached = tiny_models
+    assert list(base.state_dict()) == list(cached.state_dict())
+    x = random_tokens(2, SEQLEN)
+    logits, cache = cached(x)
+    assert torch.allclose(logits, base(x), atol=1e-6)
+    assert len(cache) == TINY["n_layers"] and cache[0][0].shape == (2, TINY["n_heads"], SEQLEN, TINY["d_head"])
+
+
+def test_attention_with_cache_equals_reference_rows():
+    torch.manual_seed(0)
+    Q, K, V = (torch.randn(2, 3, 10, 8) for _ in range(3))
+    full = scaled_dot_product_attention(Q, K, V)  # [2, 3, 10, 8]
+    assert torch.allclose(scaled_dot_product_attention_kv_cache(Q, K, V), full, atol=ATOL)
+    # the last 4 queries over all 10 keys: the shifted mask aligns them to the bottom-right corner
+    tail = scaled_dot_product_attention_kv_cache(Q[:, :, -4:], K, V)
+    assert torch.allclose(tail, full[:, :, -4:], atol=ATOL)
+    # a top-left aligned mask (query i sees keys 0..i) would be wrong: make sure the test sees that
+    wrong = scaled_dot_product_attention(Q[:, :, -4:], K[:, :, :4], V[:, :, :4])
+    assert not torch.allclose(tail, wrong, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_prefill_then_one_token_steps_match_full_forward(tiny_models, kind):
+    base, cached = tiny_models
+    x = random_tokens(3, SEQLEN)
+    full = base(x)  # [3, S, vocab]
+    logits, cache = cached(x[:, :5], kv_cache=new_cache(kind, cached, 3))
+    steps = [logits]
+    for t in range(5, SEQLEN):
+        logits, cache = cached(x[:, t:t + 1], kv_cache=cache)
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+    assert kv_cache_length(cache) == SEQLEN
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_several_tokens_on_top_of_a_cache_match_full_forward(tiny_models, kind):
+    base, cached = tiny_models
+    x = random_tokens(2, SEQLEN, seed=2)
+    full = base(x)
+    cache = new_cache(kind, cached, 2)
+    chunks = []
+    for start, stop in [(0, 4), (4, 9), (9, 16)]:  # a prefill, then chunks of 5 and 7 new tokens
+        logits, cache = cached(x[:, start:stop], kv_cache=cache)
+        chunks.append(logits)
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=0)
+
+
+def test_greedy_tokens_with_both_caches_equal_no_cache_up_to_seqlen(tiny_models):
+    base, cached = tiny_models
+    prompt = random_tokens(4, 5, seed=3)
+    n_tokens = SEQLEN - 5 + 1  # the last token is predicted from a full window of seqlen tokens
+    expected = generate(base, prompt, n_tokens, SEQLEN)
+    dynamic = generate_kvcache(cached, prompt, n_tokens, SEQLEN)
+    static = generate_kvcache(cached, prompt, n_tokens, SEQLEN, kv_cache=StaticKVCache.for_model(cached, 4))
+    assert expected.shape == (4, n_tokens)
+    assert torch.equal(dynamic, expected)
+    assert torch.equal(static, expected)
+
+
+def test_past_seqlen_generation_continues_and_the_cache_stays_bounded(tiny_models):
+    base, cached = tiny_models
+    prompt = random_tokens(2, 6, seed=4)
+    n_tokens = 3 * SEQLEN
+    dynamic = generate_kvcache(cached, prompt, n_tokens, SEQLEN)
+    static_cache = StaticKVCache.for_model(cached, 2)
+    static = generate_kvcache(cached, prompt, n_tokens, SEQLEN, kv_cache=static_cache)
+    assert dynamic.shape == static.shape == (2, n_tokens)
+    # the rolling static buffer computes exactly what the dynamic cache computes, past seqlen too
+    assert torch.equal(dynamic, static)
+    assert len(static_cache) == SEQLEN and static_cache.n_tokens == 6 + n_tokens - 1
+    # within the window the tokens are those of generation without a cache
+    fit = SEQLEN - 6 + 1
+    assert torch.equal(dynamic[:, :fit], generate(base, prompt, fit, SEQLEN))
+    # step by step: the cache never holds more than seqlen entries
+    token, cache = decode_one_token(cached, prompt, None, SEQLEN)
+    for _ in range(2 * SEQLEN):
+        token, cache = decode_one_token(cached, token, cache, SEQLEN)
+        assert all(k.shape[2] <= SEQLEN and v.shape[2] <= SEQLEN for k, v in cache)
+    assert kv_cache_length(cache) == SEQLEN
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_several_tokens_past_the_window_equal_one_at_a_time(tiny_models, kind):
+    _, cached = tiny_models
+    x = random_tokens(2, 10 + 12, seed=5)
+    _, cache_a = cached(x[:, :10], kv_cache=new_cache(kind, cached, 2))
+    _, cache_b = cached(x[:, :10], kv_cache=new_cache(kind, cached, 2))
+    together, cache_a = cached(x[:, 10:], kv_cache=cache_a)  # 10 + 12 > seqlen: crosses the window
+    one_by_one = []
+    for t in range(10, 22):
+        logits, cache_b = cached(x[:, t:t + 1], kv_cache=cache_b)
+        one_by_one.append(logits)
+    torch.testing.assert_close(together, torch.cat(one_by_one, dim=1), atol=ATOL, rtol=0)
+    assert kv_cache_length(cache_a) == kv_cache_length(cache_b) == SEQLEN
+
+
+def test_static_and_dynamic_logits_agree_past_the_window(tiny_models):
+    _, cached = tiny_models
+    x = random_tokens(1, 2 * SEQLEN + 3, seed=6)
+    static_cache, dynamic_cache = StaticKVCache.for_model(cached, 1), None
+    for t in range(x.shape[1]):
+        ls, static_cache = cached(x[:, t:t + 1], kv_cache=static_cache)
+        ld, dynamic_cache = cached(x[:, t:t + 1], kv_cache=dynamic_cache)
+        torch.testing.assert_close(ls, ld, atol=ATOL, rtol=0)
+
+
+def test_static_cache_is_written_in_place(tiny_models):
+    _, cached = tiny_models
+    cache = StaticKVCache.for_model(cached, 2)
+    buffer = cache.keys.data_ptr()
+    _, returned = cached(random_tokens(2, 7), kv_cache=cache)
+    assert returned is cache and cache.keys.data_ptr() == buffer
+    assert cache.keys[:, :, :, :7].abs().sum() > 0 and cache.keys[:, :, :, 7:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("fn", [generate, generate_kvcache])
+def test_bad_generation_input_is_a_clear_error(tiny_models, fn):
+    base, cached = tiny_models
+    model = base if fn is generate else cached
+    prompt = random_tokens(1, 4)
+    with pytest.raises(ValueError, match="empty"):
+        fn(model, prompt[:, :0], 5, SEQLEN)
+    with pytest.raises(ValueError, match="n_tokens"):
+        fn(model, prompt, 0, SEQLEN)
+    with pytest.raises(ValueError, match="longer than the window"):
+        fn(model, random_tokens(1, SEQLEN + 1), 5, SEQLEN)
+    with pytest.raises(ValueError, match="seqlen"):
+        fn(model, prompt, 5, SEQLEN + 1)
+    with pytest.raises(ValueError, match="LongTensor"):
+        fn(model, prompt[0], 5, SEQLEN)
+
+
+def test_static_cache_of_another_batch_size_is_a_clear_error(tiny_models):
+    _, cached = tiny_models
+    with pytest.raises(ValueError, match="batch"):
+        generate_kvcache(cached, random_tokens(3, 4), 2, SEQLEN, kv_cache=StaticKVCache.for_model(cached, 2))
+    with pytest.raises(ValueError, match="max_seqlen"):
+        generate_kvcache(cached, random_tokens(2, 4), 2, SEQLEN - 1, kv_cache=StaticKVCache.for_model(cached, 2))
+
+
+def test_plain_model_rejects_inputs_longer_than_seqlen(tiny_models):
+    base, _ = tiny_models
+    with pytest.raises(ValueError, match="at most seqlen"):
+        base(random_tokens(1, SEQLEN + 1))
