@@ -15,6 +15,7 @@ so later tokens may differ and are only counted.
 """
 import argparse
 
+import numpy as np
 import torch
 
 import inference_utils as iu
@@ -76,15 +77,13 @@ def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_
 
 
 def plot_tpot_sweep(sweep, path, preset, device):
-    fig, ax = iu.new_figure()
-    styles = ["-", "--", ":", "-."]
-    for i, (batch_size, by_variant) in enumerate(sweep.items()):
-        for j, (variant, points) in enumerate(by_variant.items()):
-            ax.plot(points["n_tokens"], points["tpot_ms"], marker="o", color=f"C{j}",
-                    linestyle=styles[i % len(styles)], label=f"{variant}, batch {batch_size}")
-    ax.set(xscale="log", yscale="log", xlabel="generated tokens", ylabel="TPOT (ms)",
-           title=f"TPOT against generated tokens ({preset.name}, {device})")
-    ax.legend(fontsize=8)
+    fig, axes = iu.new_figure(len(sweep))
+    for ax, (batch_size, by_variant) in zip(np.atleast_1d(axes), sweep.items()):
+        for variant, points in by_variant.items():
+            ax.plot(points["n_tokens"], points["tpot_ms"], marker="o", label=variant)
+        ax.set(xscale="log", ylim=(0, None), xlabel="generated tokens", ylabel="TPOT (ms)",
+               title=f"batch {batch_size} (preset {preset.name}, {device})")
+        ax.legend()
     iu.save_plot(fig, path)
 
 
@@ -129,7 +128,7 @@ def main(argv=None):
         counts = sorted({n for n in (8, 16, 32, 64, 128, 256, 512) if n <= 2 * args.n_tokens} | {args.n_tokens})
         sweep = {}
         for batch_size, fns in fns_by_batch.items():
-            by_count = [iu.compare_generation(fns, n, batch_size, device, repeats=min(3, args.repeats))
+            by_count = [iu.compare_generation(fns, n, batch_size, device, repeats=args.repeats)
                         for n in counts]
             sweep[batch_size] = {name: {"n_tokens": counts, "tpot_ms": [r[name]["tpot_ms"] for r in by_count]}
                                  for name in fns}
