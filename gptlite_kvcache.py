@@ -38,14 +38,13 @@ def scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=Non
     return weights @ V  # [B, H, Tq, D]
 
 
-class StaticKVCache(nn.Module):
+class StaticKVCache:
     """Per-layer key and value buffers [B, H, max_seqlen, D], preallocated and written in place."""
 
     def __init__(self, n_layers, batch_size, n_heads, d_head, max_seqlen, device=None, dtype=torch.float32):
-        super().__init__()
         shape = (n_layers, batch_size, n_heads, max_seqlen, d_head)
-        self.register_buffer("keys", torch.zeros(shape, device=device, dtype=dtype))
-        self.register_buffer("values", torch.zeros(shape, device=device, dtype=dtype))
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H, max_seqlen, D]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.max_seqlen = max_seqlen
         self.n_tokens = 0  # tokens written so far; token t is in slot t % max_seqlen
         self.layers = [(self.keys[i], self.values[i]) for i in range(n_layers)]  # views [B, H, L, D]
@@ -63,6 +62,10 @@ class StaticKVCache(nn.Module):
 
     def __len__(self):  # entries held
         return min(self.n_tokens, self.max_seqlen)
+
+    @property
+    def nbytes(self):  # the whole preallocation, used or not
+        return self.keys.nbytes + self.values.nbytes
 
     def update(self, layer, k, v):
         """Write the new keys and values [B, H, T, D] of `layer` in place, at the slots of tokens

@@ -1,6 +1,5 @@
 """Shared helpers of every script: presets, data, checkpoints, training, timing, memory, evaluation,
 reporting and the common flags. Written once here so that each main_<technique>.py stays thin."""
-import argparse
 import contextlib
 import hashlib
 import json
@@ -15,7 +14,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -457,16 +455,13 @@ def peak_memory_label(device):
 
 
 def kv_cache_bytes(kv_cache):
-    """Bytes held by a cache: a tensor, nested lists/tuples of tensors, or a module's buffers."""
+    """Bytes held by a cache: a tensor, nested lists/tuples of tensors, or an object with `nbytes`
+    (a StaticKVCache counts its whole preallocation)."""
     if kv_cache is None:
         return 0
-    if isinstance(kv_cache, torch.Tensor):
-        return kv_cache.numel() * kv_cache.element_size()
-    if isinstance(kv_cache, nn.Module):
-        return sum(kv_cache_bytes(b) for b in kv_cache.buffers())
     if isinstance(kv_cache, (list, tuple)):
         return sum(kv_cache_bytes(c) for c in kv_cache)
-    raise TypeError(f"cannot count the bytes of a {type(kv_cache).__name__}")
+    return kv_cache.nbytes
 
 
 # ----------------------------------------------------------------------------------------------------

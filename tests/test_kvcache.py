@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from conftest import TINY
-from gptlite import GPTlite, generate, scaled_dot_product_attention
-from gptlite_kvcache import (GPTlite_KVCache, StaticKVCache, decode_one_token, generate_kvcache,
+from gptlite import generate, scaled_dot_product_attention
+from gptlite_kvcache import (StaticKVCache, decode_one_token, generate_kvcache,
                              kv_cache_length, scaled_dot_product_attention_kv_cache)
 
 ATOL = 1e-5  # float32
