@@ -144,7 +144,7 @@ def generate(model, prompt, n_tokens, seqlen):
     return idx[:, prompt.shape[1]:]
 
 
-if __name__ == "__main__":
+def main():
     import argparse
     import inference_utils as iu
 
@@ -153,10 +153,16 @@ if __name__ == "__main__":
     parser.add_argument("--iters", type=int, default=None, help="training steps (default: the preset's)")
     parser.add_argument("--sample-tokens", type=int, default=300, help="length of the printed sample")
     args = parser.parse_args()
+    for flag, value in [("--iters", args.iters), ("--sample-tokens", args.sample_tokens)]:
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     preset, device, data = iu.setup(args, parser)
-    if args.iters is not None and args.iters < 1:
-        parser.error("--iters must be at least 1")
     model = iu.train_checkpoint(preset, data, device, iters=args.iters, seed=args.seed)
     prompt = torch.tensor([data.encode("\n")], device=device)
     sample = generate(model.eval(), prompt, args.sample_tokens, model.seqlen)
     print(data.decode(sample[0].tolist()))
+
+
+if __name__ == "__main__":
+    import inference_utils
+    inference_utils.run(main)
