@@ -123,8 +123,12 @@ def check_generation_args(model, prompt, n_tokens, seqlen):
         raise ValueError(f"prompt is empty (shape {tuple(prompt.shape)}): give at least one token")
     if not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
-    if not 1 <= seqlen <= model.seqlen:
-        raise ValueError(f"seqlen must be between 1 and the model's seqlen={model.seqlen}, got {seqlen}")
+    if not isinstance(seqlen, int) or not 1 <= seqlen <= model.seqlen:
+        raise ValueError(f"seqlen must be an integer between 1 and the model's seqlen={model.seqlen}, got {seqlen!r}")
+    vocab_size = model.token_embedding.num_embeddings
+    if prompt.min() < 0 or prompt.max() >= vocab_size:
+        raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab_size}): "
+                         f"found {prompt.min().item()} .. {prompt.max().item()}")
     if prompt.shape[1] > seqlen:
         raise ValueError(f"prompt of {prompt.shape[1]} tokens is longer than the window seqlen={seqlen}; "
                          f"shorten it, e.g. keep its last {seqlen} tokens: prompt[:, -{seqlen}:]")

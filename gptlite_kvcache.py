@@ -131,6 +131,20 @@ class GPTlite_KVCache(GPTlite):
         self.blocks = nn.Sequential(*[Block_KVCache(d_model, n_heads, d_head, dropout_p) for _ in range(n_layers)])
         self.apply(self._init_weights)
 
+    def check_cache(self, kv_cache, batch_size, max_seqlen):
+        """A cache made for another batch, model or dtype is a clear error, not a shape mismatch deep in torch."""
+        mha, dtype = self.blocks[0].mha, self.fc_out.weight.dtype
+        if isinstance(kv_cache, StaticKVCache):
+            shape, got_dtype = (len(self.blocks), batch_size, mha.n_heads, max_seqlen, mha.d_head), kv_cache.keys.dtype
+            got = tuple(kv_cache.keys.shape)
+        else:
+            keys = kv_cache[0][0]
+            shape, got_dtype = (len(self.blocks), batch_size, mha.n_heads, mha.d_head), keys.dtype
+            got = (len(kv_cache), keys.shape[0], keys.shape[1], keys.shape[3])
+        if got != shape or got_dtype != dtype:
+            raise ValueError(f"the KV cache was made for another model, batch or dtype (shape {got}, {got_dtype}; "
+                             f"expected {shape}, {dtype}); make a new cache")
+
     def forward(self, idx, kv_cache=None, max_seqlen=None):
         """idx: [B, T] new tokens after the `kv_cache` entries (None: an empty cache).
 
@@ -142,12 +156,13 @@ class GPTlite_KVCache(GPTlite):
             if max_seqlen not in (None, kv_cache.max_seqlen):
                 raise ValueError(f"max_seqlen={max_seqlen} differs from the StaticKVCache's {kv_cache.max_seqlen}")
             max_seqlen = kv_cache.max_seqlen
-            if idx.shape[0] != kv_cache.keys.shape[1]:
-                raise ValueError(f"batch of {idx.shape[0]} against a StaticKVCache for {kv_cache.keys.shape[1]}")
-        max_seqlen = max_seqlen or self.seqlen
+        if max_seqlen is None:
+            max_seqlen = self.seqlen
         if not 1 <= max_seqlen <= self.seqlen:
             raise ValueError(f"max_seqlen must be between 1 and seqlen={self.seqlen}, got {max_seqlen}")
         B, T = idx.shape
+        if kv_cache is not None:
+            self.check_cache(kv_cache, B, max_seqlen)
         n_cached = kv_cache_length(kv_cache)
         if T > 1 and n_cached + T > max_seqlen:
             # Past the window each token drops the oldest entry: fill the window, then go one at a time,

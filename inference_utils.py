@@ -2,6 +2,7 @@
 reporting and the common flags. Written once here so that each main_<technique>.py stays thin."""
 import contextlib
 import hashlib
+import http.client
 import json
 import math
 import os
@@ -112,15 +113,16 @@ class Data:
 
 
 def _download(path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
+    """Fetch the canonical file into `path`; only a file with the right hash is ever put there."""
     try:
         with urllib.request.urlopen(DATA_URL, timeout=30) as response:
-            tmp.write_bytes(response.read())
-    except (urllib.error.URLError, OSError) as e:
-        tmp.unlink(missing_ok=True)
+            raw = response.read()
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
         raise DataError(f"no data file found and the download failed ({e}). {data_help()}") from None
-    os.replace(tmp, path)
+    if hashlib.sha256(raw).hexdigest() != DATA_SHA256:
+        raise DataError(f"the downloaded file is not the canonical tiny Shakespeare (sha256 differs). {data_help()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(raw, path)
 
 
 def load_data(path=None):
@@ -244,16 +246,30 @@ def checkpoint_path(name):
     return CHECKPOINT_DIR / f"{name}.pt"
 
 
-def atomic_torch_save(obj, path):
-    """Write to a temporary file, then rename: a killed run never leaves a corrupt checkpoint."""
+@contextlib.contextmanager
+def atomic_file(path):
+    """Yield a temporary path beside `path`; on success it is synced to disk and renamed to `path`, on
+    failure removed. A killed run never leaves a corrupt file, and an old file survives a failed write."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        torch.save(obj, tmp)
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(raw, path):
+    with atomic_file(path) as tmp:
+        Path(tmp).write_bytes(raw)
+
+
+def atomic_torch_save(obj, path):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def save_checkpoint(path, model, config, vocab, **meta):
@@ -264,19 +280,23 @@ def save_checkpoint(path, model, config, vocab, **meta):
 def load_checkpoint(path, config=None, vocab=None):
     """Read a checkpoint; a different `config` or `vocab` than asked for is a clear error."""
     path = Path(path)
+    retrain = f"delete it, or retrain it with: python gptlite.py --preset {path.stem}"
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        ckpt["config"], ckpt["vocab"], ckpt["state_dict"]
+        ok = (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict)
+              and isinstance(ckpt.get("vocab"), str) and isinstance(ckpt.get("state_dict"), dict))
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); "
-                              "delete it to train a new one") from None
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); {retrain}") from None
+    if not ok:
+        raise CheckpointError(f"{path} is not a checkpoint of this repository (config, vocab and state_dict "
+                              f"expected); {retrain}")
     if config is not None and ckpt["config"] != dict(config):
-        diff = {k: (ckpt["config"].get(k), v) for k, v in dict(config).items() if ckpt["config"].get(k) != v}
-        raise CheckpointError(f"{path} was trained with another configuration (as saved, as asked: {diff}); "
-                              "delete it or train this one with: python gptlite.py --preset NAME")
+        saved, asked = ckpt["config"], dict(config)
+        diff = {k: (saved.get(k), asked.get(k)) for k in sorted(set(saved) | set(asked)) if saved.get(k) != asked.get(k)}
+        raise CheckpointError(f"{path} was trained with another configuration (as saved, as asked: {diff}); {retrain}")
     if vocab is not None and ckpt["vocab"] != vocab:
         raise CheckpointError(f"{path} was trained on another vocabulary than this data file's; "
-                              "use the matching data file or retrain with: python gptlite.py --preset NAME")
+                              f"use the matching data file, or {retrain}")
     return ckpt
 
 
@@ -325,6 +345,9 @@ def load_model(model_class, preset, device="cpu", data=None, untrained=False, pa
         raise CheckpointError(f"{path} does not fit {model_class.__name__}{model_kwargs or ''}: "
                               f"{' '.join(s.strip() for s in first)}; convert the weights or load the "
                               "model class the checkpoint was saved from") from None
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf): the training diverged; "
+                              f"delete it, or retrain it with: python gptlite.py --preset {preset.name}")
     return model.to(device).eval()
 
 
@@ -340,11 +363,16 @@ def model_size_mb(model):
 def get_device(name=None):
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GPTliteError(f"--device {name} asked for CUDA, which this machine does not have; use --device cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise GPTliteError(f"--device {name} is not a device; use cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
         raise GPTliteError(f"--device {name}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GPTliteError(f"--device {name} asked for CUDA, which this machine does not have; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise GPTliteError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -461,6 +489,8 @@ def kv_cache_bytes(kv_cache):
         return 0
     if isinstance(kv_cache, (list, tuple)):
         return sum(kv_cache_bytes(c) for c in kv_cache)
+    if not hasattr(kv_cache, "nbytes"):
+        raise TypeError(f"cannot count the bytes of a {type(kv_cache).__name__}")
     return kv_cache.nbytes
 
 
@@ -484,13 +514,14 @@ def add_common_args(parser):
     parser.add_argument("--plot", default=None, metavar="PATH", help="also save the script's plot as PNG to PATH")
 
 
-def setup(args, parser):
-    """Check the common flags, choose device and preset (and say which), load the data."""
+def setup(args, parser, check_args=None):
+    """Check the common flags, choose device and preset (and say which), run the script's own
+    `check_args(preset)`, then load the data: every flag error comes before any work."""
     for flag in ("json", "plot"):
         out = getattr(args, flag, None)
         if out is not None:
-            if not Path(out).resolve().parent.is_dir():
-                parser.error(f"--{flag} {out}: the folder {Path(out).parent} does not exist")
+            if Path(out).is_dir() or not Path(out).resolve().parent.is_dir():
+                parser.error(f"--{flag} {out}: give a file path in a folder that exists")
             if flag == "plot" and Path(out).suffix.lower() != ".png":
                 parser.error(f"--plot {out}: the plot is a PNG, give a path ending in .png")
     try:
@@ -498,6 +529,8 @@ def setup(args, parser):
     except GPTliteError as e:
         parser.error(str(e))
     preset = get_preset(args.preset or ("gptlite" if device.type == "cuda" else "cpu"))
+    if check_args is not None:
+        check_args(preset)
     print(f"preset: {preset.name} ({'from --preset' if args.preset else 'default for ' + device.type}), "
           f"device: {device}, torch {torch.__version__}")
     torch.manual_seed(args.seed)
@@ -559,17 +592,14 @@ def save_json(path, script, preset, device, rows, untrained=False, **extra):
     """Write the results as {"script", "preset", "device", "rows": [...]} (temp file, then rename)."""
     result = {"script": script, "preset": preset.name, "device": str(device), "untrained": untrained,
               "torch": torch.__version__, "preset_config": asdict(preset), "rows": rows, **extra}
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_bytes((json.dumps(result, indent=2) + "\n").encode(), path)
     print(f"wrote {path}")
 
 
 def save_plot(fig, path):
     """Save a matplotlib figure as PNG (temp file, then rename)."""
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
     print(f"saved {path}")
 
 

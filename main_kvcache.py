@@ -30,15 +30,18 @@ def check_args(args, parser, seqlen):
                              ("--repeats", args.repeats, 1)]:
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
+    if len(set(args.batch_sizes)) != len(args.batch_sizes):
+        parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
 
 
 def make_variants(base, cached, prompts, seqlen):
     """The three variants as functions of the number of new tokens, on the same prompts."""
     static_cache = StaticKVCache.for_model(cached, prompts.shape[0], seqlen)  # allocated once, reused
 
-    def static(n):
-        static_cache.reset()
-        return generate_kvcache(cached, prompts, n, seqlen, kv_cache=static_cache)
+    def static(n, new_cache=False):  # new_cache: allocate inside the call, so that memory counts it
+        cache = StaticKVCache.for_model(cached, prompts.shape[0], seqlen) if new_cache else static_cache
+        cache.reset()
+        return generate_kvcache(cached, prompts, n, seqlen, kv_cache=cache)
 
     return {
         "no cache": (lambda n: generate(base, prompts, n, seqlen), None),
@@ -65,10 +68,13 @@ def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_
             kv_bytes = iu.kv_cache_bytes(static_cache)  # preallocated for seqlen
         else:  # the dynamic cache at the end of generation holds the last min(length, seqlen) tokens
             full = torch.cat([prompts, tokens[name][:, :-1]], dim=1)
-            kv_bytes = iu.kv_cache_bytes(cached(full[:, -seqlen:])[1])
+            with torch.inference_mode():
+                kv_bytes = iu.kv_cache_bytes(cached(full[:, -seqlen:])[1])
+        # the static cache is allocated inside the measured call here, so that its buffers count
+        memory_run = (lambda: fn(n_tokens, new_cache=True)) if static_cache is not None else (lambda: fn(n_tokens))
         rows.append(iu.make_row(
             name, batch_size=prompts.shape[0], **timings[name],
-            peak_mem_mb=iu.peak_memory_mb(lambda: fn(n_tokens), device),
+            peak_mem_mb=iu.peak_memory_mb(memory_run, device),
             kv_cache_mb=kv_bytes / 2**20 if kv_bytes is not None else None,
             val_loss=val_losses[name],
             same_in_window="yes" if same else "NO",
@@ -96,8 +102,7 @@ def main(argv=None):
                         help="numbers of prompts generated together, a row group each")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser)
-    check_args(args, parser, preset.seqlen)
+    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     cached = GPTlite_KVCache(**preset.model_config()).to(device).eval()
@@ -120,8 +125,11 @@ def main(argv=None):
     print(iu.peak_memory_label(device))
     for batch_size in args.batch_sizes:
         no_cache, dynamic, static = (r["tpot_ms"] for r in rows if r["batch_size"] == batch_size)
-        print(f"batch {batch_size}: TPOT no cache / dynamic = {no_cache / dynamic:.2f}x, "
-              f"static / dynamic = {static / dynamic:.2f}")
+        if dynamic > 0:
+            print(f"batch {batch_size}: TPOT no cache / dynamic = {no_cache / dynamic:.2f}x, "
+                  f"static / dynamic = {static / dynamic:.2f}")
+        else:  # TPOT is a difference of two medians: generate more tokens for a meaningful figure
+            print(f"batch {batch_size}: TPOT too small to measure against timing noise; raise --n-tokens")
 
     sweep = None
     if args.plot:

@@ -1,4 +1,5 @@
 """Data, checkpoints, training, memory and reporting helpers, and their clear errors."""
+import io
 import json
 import urllib.error
 from dataclasses import replace
@@ -68,6 +69,24 @@ def test_missing_data_offline_names_the_three_ways(tmp_path, monkeypatch):
     assert not default.exists() and not list(default.parent.glob("*"))  # no partial file left behind
 
 
+def test_a_download_with_the_wrong_hash_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPTLITE_DATA", raising=False)
+    default = tmp_path / "data" / "tinyshakespeare.txt"
+    monkeypatch.setattr(iu, "DEFAULT_DATA", default)
+
+    class Response(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(iu.urllib.request, "urlopen", lambda *a, **k: Response(b"an error page"))
+    with pytest.raises(iu.DataError, match="downloaded file is not the canonical"):
+        iu.load_data()
+    assert not default.exists()
+
+
 def test_sample_prompts_are_fixed_by_the_seed(real_data):
     a = iu.sample_prompts(real_data, 3, 20, seed=7)
     assert a.shape == (3, 20) and a.dtype == torch.long
@@ -124,6 +143,43 @@ def test_checkpoint_that_does_not_fit_the_class_is_a_clear_error(tmp_path):
     del ckpt["state_dict"]["fc_out.bias"]
     torch.save(ckpt, path)
     with pytest.raises(iu.CheckpointError, match="does not fit GPTlite"):
+        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+@pytest.mark.parametrize("mangle", ["not a dict", "config not a dict", "state_dict not a dict"])
+def test_a_checkpoint_of_the_wrong_structure_is_a_clear_error(tmp_path, mangle):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    ckpt = torch.load(path, weights_only=True)
+    if mangle == "not a dict":
+        ckpt = [ckpt["state_dict"]]
+    else:
+        ckpt[mangle.split()[0]] = [1, 2]
+    torch.save(ckpt, path)
+    with pytest.raises(iu.CheckpointError, match="not a checkpoint of this repository"):
+        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+def test_an_extra_config_key_is_named_in_the_error(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["config"]["n_groups"] = 2
+    torch.save(ckpt, path)
+    with pytest.raises(iu.CheckpointError, match="n_groups.*--preset tiny"):
+        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+def test_a_checkpoint_with_non_finite_weights_is_a_clear_error(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["state_dict"]["fc_out.weight"][0, 0] = float("nan")
+    torch.save(ckpt, path)
+    with pytest.raises(iu.CheckpointError, match="non-finite"):
         iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
 
 
@@ -197,6 +253,8 @@ def test_kv_cache_bytes_by_hand(tiny_models):
     static = StaticKVCache.for_model(cached, 2)
     assert iu.kv_cache_bytes(static) == TINY["n_layers"] * per_layer * TINY["seqlen"] // 5
     assert iu.kv_cache_bytes(None) == 0
+    with pytest.raises(TypeError, match="cannot count"):
+        iu.kv_cache_bytes({"keys": 1})
 
 
 def test_measure_generation_times_one_token_and_n_tokens():
@@ -226,6 +284,13 @@ def test_model_size_mb(tiny_models):
 def test_asking_for_cuda_without_it_is_a_clear_error():
     with pytest.raises(iu.GPTliteError, match="does not have"):
         iu.get_device("cuda")
+
+
+def test_a_device_that_is_not_one_is_a_clear_error():
+    with pytest.raises(iu.GPTliteError, match="not a device"):
+        iu.get_device("foo")
+    with pytest.raises(iu.GPTliteError, match="only cpu and cuda"):
+        iu.get_device("meta")
 
 
 def test_table_marks_missing_figures_and_untrained_losses():

@@ -165,3 +165,62 @@ def test_plain_model_rejects_inputs_longer_than_seqlen(tiny_models):
     base, _ = tiny_models
     with pytest.raises(ValueError, match="at most seqlen"):
         base(random_tokens(1, SEQLEN + 1))
+
+
+def reference_window_decode(base, tokens, window):
+    """The post's rule past the window, written out plainly, token by token: token t takes position
+    min(t, window-1) and attends to the keys and values of the last `window` tokens, itself included."""
+    keys, values = [[] for _ in base.blocks], [[] for _ in base.blocks]
+    logits = []
+    for t in range(tokens.shape[1]):
+        position = torch.tensor([min(t, window - 1)])
+        x = base.token_embedding(tokens[:, t:t + 1]) + base.position_embedding(position)  # [B, 1, d_model]
+        for i, block in enumerate(base.blocks):
+            mha, h = block.mha, block.ln1(x)
+            keys[i].append(mha.split_heads(mha.key_proj(h)))
+            values[i].append(mha.split_heads(mha.value_proj(h)))
+            K, V = torch.cat(keys[i][-window:], dim=2), torch.cat(values[i][-window:], dim=2)  # [B, H, <=W, D]
+            Q = mha.split_heads(mha.query_proj(h))
+            weights = torch.softmax(Q @ K.transpose(-2, -1) / mha.d_head**0.5, dim=-1)
+            x = x + mha.out_proj(mha.merge_heads(weights @ V))
+            x = x + block.ffwd(block.ln2(x))
+        logits.append(base.fc_out(base.ln(x)))
+    return torch.cat(logits, dim=1)  # [B, T, vocab]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("window", [SEQLEN, 7])
+def test_past_the_window_matches_the_posts_rule(tiny_models, kind, window):
+    base, cached = tiny_models
+    x = random_tokens(2, 3 * SEQLEN, seed=7)
+    with torch.no_grad():
+        expected = reference_window_decode(base, x, window)
+        cache = None if kind == "dynamic" else StaticKVCache.for_model(cached, 2, max_seqlen=window)
+        chunks = []
+        for start, stop in [(0, 5), (5, 6), (6, 2 * SEQLEN), (2 * SEQLEN, 3 * SEQLEN)]:  # prefill, decode, chunks
+            logits, cache = cached(x[:, start:stop], kv_cache=cache, max_seqlen=window)
+            chunks.append(logits)
+    torch.testing.assert_close(torch.cat(chunks, dim=1), expected, atol=ATOL, rtol=0)
+    assert kv_cache_length(cache) == window
+
+
+def test_token_ids_seqlen_and_caches_of_another_shape_are_clear_errors(tiny_models):
+    _, cached = tiny_models
+    prompt = random_tokens(2, 4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate_kvcache(cached, prompt + TINY["vocab_size"], 3, SEQLEN)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate_kvcache(cached, prompt - 100, 3, SEQLEN)
+    with pytest.raises(ValueError, match="seqlen must be an integer"):
+        generate_kvcache(cached, prompt, 3, 8.0)
+    with pytest.raises(ValueError, match="max_seqlen must be between"):
+        cached(prompt, max_seqlen=0)
+    _, cache = cached(prompt)
+    with pytest.raises(ValueError, match="another model, batch or dtype"):
+        generate_kvcache(cached, random_tokens(3, 4), 3, SEQLEN, kv_cache=cache)  # batch 3 on a cache of 2
+    other_heads = StaticKVCache(TINY["n_layers"], 2, TINY["n_heads"] + 1, TINY["d_head"], SEQLEN)
+    with pytest.raises(ValueError, match="another model, batch or dtype"):
+        generate_kvcache(cached, prompt, 3, SEQLEN, kv_cache=other_heads)
+    float64 = StaticKVCache(TINY["n_layers"], 2, TINY["n_heads"], TINY["d_head"], SEQLEN, dtype=torch.float64)
+    with pytest.raises(ValueError, match="another model, batch or dtype"):
+        generate_kvcache(cached, prompt, 3, SEQLEN, kv_cache=float64)

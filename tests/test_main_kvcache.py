@@ -34,9 +34,11 @@ def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, c
 
 
 @pytest.mark.parametrize("flags", [["--n-tokens", "1"], ["--prompt-len", "0"], ["--prompt-len", "129"],
-                                   ["--batch-sizes", "1", "0"], ["--plot", "out.txt"], ["--bogus"],
-                                   ["--preset", "huge"], ["--json", "/no/such/folder/r.json"]])
-def test_bad_flags_are_clear_errors(real_data, flags, capsys):
+                                   ["--batch-sizes", "1", "0"], ["--batch-sizes", "1", "1"], ["--plot", "out.txt"],
+                                   ["--bogus"], ["--preset", "huge"], ["--json", "/no/such/folder/r.json"],
+                                   ["--json", "."], ["--device", "foo"], ["--device", "tpu"]])
+def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_kvcache.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
