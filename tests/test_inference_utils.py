@@ -135,51 +135,35 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
         iu.load_model(GPTlite, TINY_PRESET, data=synthetic_data(), path=path)
 
 
-def test_checkpoint_that_does_not_fit_the_class_is_a_clear_error(tmp_path):
-    data = synthetic_data()
-    path = tmp_path / "tiny.pt"
-    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
-    ckpt = torch.load(path, weights_only=True)
+def drop_a_weight(ckpt):
     del ckpt["state_dict"]["fc_out.bias"]
-    torch.save(ckpt, path)
-    with pytest.raises(iu.CheckpointError, match="does not fit GPTlite"):
-        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    return ckpt
 
 
-@pytest.mark.parametrize("mangle", ["not a dict", "config not a dict", "state_dict not a dict"])
-def test_a_checkpoint_of_the_wrong_structure_is_a_clear_error(tmp_path, mangle):
-    data = synthetic_data()
-    path = tmp_path / "tiny.pt"
-    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
-    ckpt = torch.load(path, weights_only=True)
-    if mangle == "not a dict":
-        ckpt = [ckpt["state_dict"]]
-    else:
-        ckpt[mangle.split()[0]] = [1, 2]
-    torch.save(ckpt, path)
-    with pytest.raises(iu.CheckpointError, match="not a checkpoint of this repository"):
-        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
-
-
-def test_an_extra_config_key_is_named_in_the_error(tmp_path):
-    data = synthetic_data()
-    path = tmp_path / "tiny.pt"
-    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
-    ckpt = torch.load(path, weights_only=True)
+def add_a_config_key(ckpt):
     ckpt["config"]["n_groups"] = 2
-    torch.save(ckpt, path)
-    with pytest.raises(iu.CheckpointError, match="n_groups.*--preset tiny"):
-        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    return ckpt
 
 
-def test_a_checkpoint_with_non_finite_weights_is_a_clear_error(tmp_path):
+def a_nan_weight(ckpt):
+    ckpt["state_dict"]["fc_out.weight"][0, 0] = float("nan")
+    return ckpt
+
+
+@pytest.mark.parametrize("damage, message", [
+    (drop_a_weight, "does not fit GPTlite"),
+    (lambda ckpt: [ckpt["state_dict"]], "not a checkpoint of this repository"),
+    (lambda ckpt: {**ckpt, "config": [1, 2]}, "not a checkpoint of this repository"),
+    (lambda ckpt: {**ckpt, "state_dict": [1, 2]}, "not a checkpoint of this repository"),
+    (add_a_config_key, "another configuration.*n_groups.*--preset tiny"),
+    (a_nan_weight, "non-finite"),
+])
+def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, damage, message):
     data = synthetic_data()
     path = tmp_path / "tiny.pt"
     iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
-    ckpt = torch.load(path, weights_only=True)
-    ckpt["state_dict"]["fc_out.weight"][0, 0] = float("nan")
-    torch.save(ckpt, path)
-    with pytest.raises(iu.CheckpointError, match="non-finite"):
+    torch.save(damage(torch.load(path, weights_only=True)), path)
+    with pytest.raises(iu.CheckpointError, match=message):
         iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
 
 
