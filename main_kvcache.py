@@ -43,35 +43,33 @@ def make_variants(base, cached, prompts, seqlen):
         cache.reset()
         return generate_kvcache(cached, prompts, n, seqlen, kv_cache=cache)
 
-    return {
-        "no cache": (lambda n: generate(base, prompts, n, seqlen), None),
-        "dynamic KV cache": (lambda n: generate_kvcache(cached, prompts, n, seqlen), None),
-        "static KV cache": (static, static_cache),
-    }
+    fns = {"no cache": lambda n: generate(base, prompts, n, seqlen),
+           "dynamic KV cache": lambda n: generate_kvcache(cached, prompts, n, seqlen),
+           "static KV cache": static}
+    return fns, static_cache
 
 
 def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_losses):
     """One row per variant for a batch of prompts; the first in-window tokens must equal no-cache's."""
-    variants = make_variants(base, cached, prompts, seqlen)
-    tokens = {name: fn(n_tokens) for name, (fn, _) in variants.items()}  # correctness first
+    fns, static_cache = make_variants(base, cached, prompts, seqlen)
+    tokens = {name: fn(n_tokens) for name, fn in fns.items()}  # correctness first
     in_window = min(seqlen - prompts.shape[1] + 1, n_tokens)
     reference = tokens["no cache"]
-    timings = iu.compare_generation({name: fn for name, (fn, _) in variants.items()}, n_tokens,
-                                    prompts.shape[0], device, warmup=1, repeats=repeats)
+    timings = iu.compare_generation(fns, n_tokens, prompts.shape[0], device, warmup=1, repeats=repeats)
     rows = []
-    for name, (fn, static_cache) in variants.items():
+    for name, fn in fns.items():
         same = torch.equal(tokens[name][:, :in_window], reference[:, :in_window])
         after = (tokens[name][:, in_window:] == reference[:, in_window:]).float().mean().item()
+        memory_run = lambda: fn(n_tokens)  # noqa: E731
         if name == "no cache":
             kv_bytes = None
-        elif static_cache is not None:
+        elif name == "static KV cache":
             kv_bytes = iu.kv_cache_bytes(static_cache)  # preallocated for seqlen
+            memory_run = lambda: fn(n_tokens, new_cache=True)  # noqa: E731  (so that its buffers count)
         else:  # the dynamic cache at the end of generation holds the last min(length, seqlen) tokens
             full = torch.cat([prompts, tokens[name][:, :-1]], dim=1)
             with torch.inference_mode():
                 kv_bytes = iu.kv_cache_bytes(cached(full[:, -seqlen:])[1])
-        # the static cache is allocated inside the measured call here, so that its buffers count
-        memory_run = (lambda: fn(n_tokens, new_cache=True)) if static_cache is not None else (lambda: fn(n_tokens))
         rows.append(iu.make_row(
             name, batch_size=prompts.shape[0], **timings[name],
             peak_mem_mb=iu.peak_memory_mb(memory_run, device),
@@ -79,7 +77,7 @@ def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_
             val_loss=val_losses[name],
             same_in_window="yes" if same else "NO",
             same_after_window=f"{after:.0%}" if n_tokens > in_window else "-"))
-    return rows, {name: fn for name, (fn, _) in variants.items()}
+    return rows, fns
 
 
 def plot_tpot_sweep(sweep, path, preset, device):
