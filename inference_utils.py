@@ -121,7 +121,6 @@ def _download(path):
         raise DataError(f"no data file found and the download failed ({e}). {data_help()}") from None
     if hashlib.sha256(raw).hexdigest() != DATA_SHA256:
         raise DataError(f"the downloaded file is not the canonical tiny Shakespeare (sha256 differs). {data_help()}")
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(raw, path)
 
 
@@ -251,6 +250,7 @@ def atomic_file(path):
     """Yield a temporary path beside `path`; on success it is synced to disk and renamed to `path`, on
     failure removed. A killed run never leaves a corrupt file, and an old file survives a failed write."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
@@ -263,11 +263,10 @@ def atomic_file(path):
 
 def atomic_write_bytes(raw, path):
     with atomic_file(path) as tmp:
-        Path(tmp).write_bytes(raw)
+        tmp.write_bytes(raw)
 
 
 def atomic_torch_save(obj, path):
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:
         torch.save(obj, tmp)
 
@@ -284,12 +283,15 @@ def load_checkpoint(path, config=None, vocab=None):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         ok = (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict)
-              and isinstance(ckpt.get("vocab"), str) and isinstance(ckpt.get("state_dict"), dict))
+              and isinstance(ckpt.get("vocab"), str) and isinstance(ckpt.get("state_dict"), dict)
+              and all(isinstance(t, torch.Tensor) for t in ckpt["state_dict"].values()))
     except Exception as e:
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); {retrain}") from None
     if not ok:
         raise CheckpointError(f"{path} is not a checkpoint of this repository (config, vocab and state_dict "
                               f"expected); {retrain}")
+    if not all(torch.isfinite(t).all() for t in ckpt["state_dict"].values() if t.is_floating_point()):
+        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf): the training diverged; {retrain}")
     if config is not None and ckpt["config"] != dict(config):
         saved, asked = ckpt["config"], dict(config)
         diff = {k: (saved.get(k), asked.get(k)) for k in sorted(set(saved) | set(asked)) if saved.get(k) != asked.get(k)}
@@ -345,9 +347,6 @@ def load_model(model_class, preset, device="cpu", data=None, untrained=False, pa
         raise CheckpointError(f"{path} does not fit {model_class.__name__}{model_kwargs or ''}: "
                               f"{' '.join(s.strip() for s in first)}; convert the weights or load the "
                               "model class the checkpoint was saved from") from None
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf): the training diverged; "
-                              f"delete it, or retrain it with: python gptlite.py --preset {preset.name}")
     return model.to(device).eval()
 
 
