@@ -57,12 +57,13 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, d_model, dropout_p):
+    def __init__(self, d_model, dropout_p, d_ff=None):
         super().__init__()
+        d_ff = d_ff or 4 * d_model  # hidden neurons; fewer after structured pruning
         self.net = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model),
+            nn.Linear(d_model, d_ff),
             nn.ReLU(),
-            nn.Linear(4 * d_model, d_model),
+            nn.Linear(d_ff, d_model),
             nn.Dropout(dropout_p),
         )
 
@@ -71,12 +72,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model, n_heads, d_head, dropout_p):
+    def __init__(self, d_model, n_heads, d_head, dropout_p, d_ff=None):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.mha = MultiHeadAttention(d_model, n_heads, d_head, dropout_p)
         self.ln2 = nn.LayerNorm(d_model)
-        self.ffwd = FeedForward(d_model, dropout_p)
+        self.ffwd = FeedForward(d_model, dropout_p, d_ff)
 
     def forward(self, x):
         x = x + self.mha(self.ln1(x))  # pre-LayerNorm residual blocks
@@ -85,12 +86,13 @@ class Block(nn.Module):
 
 
 class GPTlite(nn.Module):
-    def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen):
+    def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff=None):
         super().__init__()
         self.seqlen = seqlen  # the context window: positions 0 .. seqlen-1 have an embedding
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(seqlen, d_model)
-        self.blocks = nn.Sequential(*[Block(d_model, n_heads, d_head, dropout_p) for _ in range(n_layers)])
+        # d_ff: MLP hidden neurons per block (default 4 * d_model); a pruned model's config sets it
+        self.blocks = nn.Sequential(*[Block(d_model, n_heads, d_head, dropout_p, d_ff) for _ in range(n_layers)])
         self.ln = nn.LayerNorm(d_model)
         self.fc_out = nn.Linear(d_model, vocab_size)
         self.apply(self._init_weights)

@@ -112,8 +112,8 @@ class MultiHeadAttention_KVCache(MultiHeadAttention):
 
 
 class Block_KVCache(Block):
-    def __init__(self, d_model, n_heads, d_head, dropout_p):
-        super().__init__(d_model, n_heads, d_head, dropout_p)
+    def __init__(self, d_model, n_heads, d_head, dropout_p, d_ff=None):
+        super().__init__(d_model, n_heads, d_head, dropout_p, d_ff)
         self.mha = MultiHeadAttention_KVCache(d_model, n_heads, d_head, dropout_p)
 
     def forward(self, x, kv_cache=None, max_seqlen=None, layer=0):
@@ -126,9 +126,10 @@ class Block_KVCache(Block):
 class GPTlite_KVCache(GPTlite):
     """GPTlite with the same parameters and state-dict keys, whose forward takes and returns a cache."""
 
-    def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen):
-        super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen)
-        self.blocks = nn.Sequential(*[Block_KVCache(d_model, n_heads, d_head, dropout_p) for _ in range(n_layers)])
+    def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff=None):
+        super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
+        self.blocks = nn.Sequential(*[Block_KVCache(d_model, n_heads, d_head, dropout_p, d_ff)
+                                      for _ in range(n_layers)])
         self.apply(self._init_weights)
 
     def check_cache(self, kv_cache, batch_size, max_seqlen):
