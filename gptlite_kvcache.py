@@ -107,8 +107,13 @@ class MultiHeadAttention_KVCache(MultiHeadAttention):
                 V = torch.cat([kv_cache[1], V], dim=2)
             if max_seqlen is not None and K.shape[2] > max_seqlen:  # a full window drops its oldest entry
                 K, V = K[:, :, -max_seqlen:], V[:, :, -max_seqlen:]
-        out = scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=self.dropout)
+        out = self.attention(Q, K, V)  # [B, H, T, D]
         return self.dropout(self.out_proj(self.merge_heads(out))), (K, V)
+
+    def attention(self, Q, K, V):
+        """The T new queries over the n keys and values (cached and new), the shifted causal mask;
+        a subclass swaps the kernel here (main_flash_attention.py: SDPA)."""
+        return scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=self.dropout)
 
 
 class Block_KVCache(Block):
