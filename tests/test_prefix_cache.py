@@ -1,0 +1,197 @@
+"""Prefix caching: the post's shared prefix and the PrefixCache store give exactly the tokens of
+generation without them; the block hash chain; LRU eviction; the fallback past the window."""
+import pytest
+import torch
+
+from conftest import TINY
+from gptlite_kvcache import StaticKVCache, generate_kvcache
+from prefix_cache import (PrefixCache, chain_keys, compute_prefix_cache, fork_static_cache,
+                          generate_with_prefix_cache)
+
+SEQLEN = TINY["seqlen"]  # 16
+BS = 4  # blocks of 4 tokens: several blocks fit the tiny model's 16-token window
+
+
+def random_tokens(*shape, seed=1):
+    return torch.randint(TINY["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, prompt, n_tokens):
+    """Generation without any prefix reuse, on the window generate_kvcache accepts."""
+    return generate_kvcache(model, prompt[None, -SEQLEN:], n_tokens, SEQLEN)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_post_experiment_same_tokens_and_the_shared_cache_is_never_modified(tiny_models, kind):
+    _, model = tiny_models
+    prefix, requests = random_tokens(2, 8), [random_tokens(2, 4, seed=s) for s in (2, 3, 4)]
+    if kind == "dynamic":
+        shared = compute_prefix_cache(model, prefix)
+        before = [(k.clone(), v.clone()) for k, v in shared]
+    else:
+        shared = StaticKVCache.for_model(model, 2)
+        generate_kvcache(model, prefix, 1, SEQLEN, kv_cache=shared)  # fills the prefix, then one token
+        shared.n_tokens = prefix.shape[1]  # keep only the prefix's entries
+        before = (shared.keys.clone(), shared.values.clone())
+    for request in requests:  # 8 + 4 + 6 new tokens run past the 16-token window: still identical
+        tokens, reused = generate_with_prefix_cache(model, prefix, shared, request, 6, SEQLEN)
+        expected = generate_kvcache(model, torch.cat([prefix, request], dim=1), 6, SEQLEN)
+        assert reused and torch.equal(tokens, expected)
+    if kind == "dynamic":
+        assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(shared, before))
+    else:
+        assert torch.equal(shared.keys, before[0]) and torch.equal(shared.values, before[1])
+        assert shared.n_tokens == prefix.shape[1]
+
+
+def test_a_static_prefix_cache_used_in_place_would_be_modified(tiny_models):
+    """Why fork_static_cache exists: without the copy the first request overwrites the shared slots."""
+    _, model = tiny_models
+    prefix = random_tokens(1, 8)
+    shared = StaticKVCache.for_model(model, 1)
+    model(prefix, kv_cache=shared)
+    fork = fork_static_cache(shared)
+    assert torch.equal(fork.keys[:, :, :, :8], shared.keys[:, :, :, :8]) and fork.n_tokens == 8
+    keys = shared.keys.clone()
+    generate_kvcache(model, random_tokens(1, 4, seed=5), 3, SEQLEN, kv_cache=shared)
+    assert not torch.equal(shared.keys, keys)
+
+
+def test_post_experiment_falls_back_when_prefix_and_request_exceed_the_window(tiny_models):
+    _, model = tiny_models
+    prefix, request = random_tokens(1, 12), random_tokens(1, 6, seed=2)
+    tokens, reused = generate_with_prefix_cache(model, prefix, compute_prefix_cache(model, prefix), request, 5, SEQLEN)
+    assert not reused
+    assert torch.equal(tokens, generate_kvcache(model, torch.cat([prefix, request], 1)[:, -SEQLEN:], 5, SEQLEN))
+
+
+def test_store_reuses_the_longest_prefix_and_gives_identical_tokens(tiny_models):
+    _, model = tiny_models
+    store = PrefixCache(model, block_size=BS, capacity_tokens=64)
+    system = random_tokens(9)  # two full blocks and one token
+    for i, question in enumerate(random_tokens(3, 3, seed=7)):
+        prompt = torch.cat([system, question])  # 12 tokens: 3 blocks, at most 2 reusable (one left to prefill)
+        out = store.generate(prompt, 3, SEQLEN)
+        assert torch.equal(out.tokens, reference(model, prompt, 3))
+        assert out.hit_tokens == (0 if i == 0 else 2 * BS) and not out.fallback
+    stats = store.stats()
+    assert stats["requests"] == 3 and stats["hit_tokens"] == 16 and stats["prompt_tokens"] == 36
+    assert stats["hit_rate"] == pytest.approx(16 / 36) and stats["evictions"] == 0
+    assert stats["cache_bytes"] == store.nbytes == len(store) * TINY["n_layers"] * 2 * TINY["n_heads"] * BS * TINY["d_head"] * 4
+
+
+def test_multi_turn_conversation_prefills_only_the_new_message(tiny_models):
+    _, model = tiny_models
+    store = PrefixCache(model, block_size=BS, capacity_tokens=64)
+    prompt, n_answer = random_tokens(3), 4
+    hits = []
+    for turn, message in enumerate(random_tokens(3, 3, seed=11)):
+        if turn > 0:
+            prompt = torch.cat([prompt, answer, message])
+        out = store.generate(prompt, n_answer, SEQLEN)
+        assert torch.equal(out.tokens, reference(model, prompt, n_answer)), f"turn {turn}"
+        answer = out.tokens[0]
+        hits.append(out.hit_tokens)
+    # turn 2 prompt: 3 + 4 + 3 = 10 tokens; the store holds turn 1's prompt and answer but its last
+    # token (6 tokens: 1 block); turn 3 prompt: 17 > 16 tokens, the window is kept: fallback
+    assert hits == [0, BS, 0]
+    assert store.stats()["fallbacks"] == 1
+
+
+def test_generated_tokens_are_stored_and_hit_on_the_next_turn(tiny_models):
+    _, model = tiny_models
+    store = PrefixCache(model, block_size=BS, capacity_tokens=64)
+    prompt = random_tokens(5)
+    first = store.generate(prompt, 7, SEQLEN).tokens[0]  # the cache holds 5 + 6 = 11 tokens: 2 blocks
+    assert len(store) == 2
+    follow_up = torch.cat([prompt, first, random_tokens(2, seed=3)])  # 14 tokens
+    out = store.generate(follow_up, 2, SEQLEN)
+    assert out.hit_tokens == 2 * BS  # the second block is made of generated tokens
+    assert torch.equal(out.tokens, reference(model, follow_up, 2))
+
+
+def test_hash_chain_same_prefix_same_chain_and_an_early_difference_misses_every_later_block(tiny_models):
+    tokens = random_tokens(16).tolist()
+    keys = chain_keys(tokens, BS)
+    assert len(keys) == 4 and keys == chain_keys(list(tokens), BS) and len(set(keys)) == 4
+    assert chain_keys(tokens + [1, 2], BS) == keys  # a partial block has no key
+    changed = [tokens[0], (tokens[1] + 1) % 65] + tokens[2:]
+    assert all(a != b for a, b in zip(keys, chain_keys(changed, BS)))
+    # the same block of tokens after another parent is another block
+    assert chain_keys(tokens[4:8], BS)[0] != keys[1]
+
+    _, model = tiny_models
+    store = PrefixCache(model, block_size=BS, capacity_tokens=64)
+    prompt = torch.tensor(tokens[:13])
+    store.generate(prompt, 2, SEQLEN)
+    assert store.generate(prompt, 2, SEQLEN).hit_tokens == 3 * BS
+    other = torch.tensor(changed[:13])
+    out = store.generate(other, 2, SEQLEN)
+    assert out.hit_tokens == 0 and torch.equal(out.tokens, reference(model, other, 2))
+    later = torch.tensor(tokens[:12] + [(tokens[12] + 1) % 65])  # differs in the last token only
+    assert store.generate(later, 2, SEQLEN).hit_tokens == 3 * BS
+
+
+def fill(store, tokens):
+    """Insert a chain as a finished request would, and release it."""
+    cache = compute_prefix_cache(store.model, torch.tensor(tokens)[None])
+    store.release(store.insert(tokens, cache))
+
+
+def test_lru_evicts_least_recently_used_unreferenced_blocks_first_and_never_one_in_use(tiny_models):
+    _, model = tiny_models
+    store = PrefixCache(model, block_size=BS, capacity_tokens=4 * BS)
+    a, b, c = (random_tokens(2 * BS, seed=s).tolist() for s in (20, 21, 22))
+    fill(store, a)
+    fill(store, b)
+    assert len(store) == 4
+    store.release(store.lookup(a))  # a is now more recent than b
+    fill(store, c)  # needs 2 blocks: b's go, leaf first
+    assert store.stats()["evictions"] == 2
+    assert len(store.lookup(b, touch=False)) == 0
+    assert [len(store.lookup(x)) for x in (a, c)] == [2, 2]  # held now: referenced
+    d = random_tokens(2 * BS, seed=23).tolist()
+    chain = store.insert(d, compute_prefix_cache(model, torch.tensor(d)[None]))
+    assert chain == [] and store.stats()["not_stored"] == 2  # every block in use: d is not stored
+    assert len(store) == 4 and store.stats()["evictions"] == 2
+
+
+def test_lru_evicts_a_leaf_before_its_parent(tiny_models):
+    _, model = tiny_models
+    store = PrefixCache(model, block_size=BS, capacity_tokens=3 * BS)
+    a, b = random_tokens(2 * BS, seed=30).tolist(), random_tokens(BS, seed=31).tolist()
+    fill(store, a)
+    fill(store, b)
+    fill(store, random_tokens(BS, seed=32).tolist())  # evicts a's second block, not its first
+    assert len(store.lookup(a, touch=False)) == 1
+
+
+def test_update_false_leaves_the_store_as_it_was(tiny_models):
+    _, model = tiny_models
+    store = PrefixCache(model, block_size=BS, capacity_tokens=64)
+    prompt = random_tokens(12)
+    store.generate(prompt, 2, SEQLEN)
+    fill(store, random_tokens(BS, seed=9).tolist())
+    order, stats = list(store.blocks), store.stats()
+    out = store.generate(torch.cat([prompt[:9], random_tokens(3, seed=4)]), 2, SEQLEN, update=False)
+    assert out.hit_tokens == 2 * BS
+    assert list(store.blocks) == order and store.stats() == stats
+    assert all(block.ref_count == 0 for block in store.blocks.values())
+
+
+def test_bad_input_is_a_clear_error(tiny_models):
+    _, model = tiny_models
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixCache(model, block_size=0)
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        PrefixCache(model, block_size=16, capacity_tokens=8)
+    store = PrefixCache(model, block_size=BS)
+    with pytest.raises(ValueError, match="one request at a time"):
+        store.generate(random_tokens(2, 5), 2)
+    with pytest.raises(ValueError, match="seqlen"):
+        store.generate(random_tokens(5), 2, seqlen=SEQLEN + 1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        store.generate(torch.tensor([1, 2, 99]), 2)
+    with pytest.raises(ValueError, match="n_tokens"):
+        store.generate(random_tokens(5), 0)
+    assert store.stats()["requests"] == 0
