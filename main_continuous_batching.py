@@ -1,0 +1,192 @@
+"""Continuous batching, and a small serving engine with a paged KV cache and chunked prefill, on one trace.
+
+    python main_continuous_batching.py                     # cpu preset on CPU, gptlite on CUDA
+    python main_continuous_batching.py --rate 50 --batch-size 8 --plot batching.png --json batching.json
+    python main_continuous_batching.py --untrained --n-requests 8
+
+Blog section: "Batching / continuous batching" and beyond the post. `continuous_batching` is the post's:
+a request leaves its slot as soon as it is done and a waiting one takes it; the padded batch (no
+cache, `next_tokens`) is rebuilt every step. paged_engine.py is what serving engines do: a paged KV
+cache (blocks on demand, attention through block tables), chunked prefill mixed with decodes
+(Sarathi-Serve), admission by free blocks, and preemption with recompute.
+
+One trace (Poisson arrivals at --rate with a seed, log-normal prompt and output lengths) runs through
+static batching, the post's continuous batching, and the paged engine with whole-prompt and with
+chunked prefill, all with the same batch size (batch slots). Arrivals are simulated against each
+engine's own clock (serving.py): the clock advances by each step's measured wall time and jumps to
+the next arrival when the engine is idle; TTFT and TPOT are measured from each request's arrival,
+throughput is new tokens per second of steps. Every request's tokens must equal generating it alone
+with `generate_kvcache`. KV utilization = tokens held / slots reserved, summed over steps, for the
+paged pool (allocated blocks) and for a contiguous cache that reserves seqlen slots per sequence.
+"""
+import argparse
+from collections import deque
+
+import numpy as np
+import torch
+
+import inference_utils as iu
+import serving
+from gptlite import GPTlite
+from gptlite_kvcache import GPTlite_KVCache
+from main_static_batching import next_tokens, static_batching
+from paged_engine import PagedEngine
+
+
+def continuous_batching(model, requests, batch_size, seqlen, clock=None):
+    """Generate every request (prompt, n_tokens) with at most batch_size in the batch; a finished
+    request leaves at once and the next arrived one (`clock`, None: all at time 0) takes its slot.
+    Returns the new tokens of each request (a list of 1-D LongTensors) and the number of steps."""
+    requests = serving.check_requests(model, requests, batch_size, seqlen)
+    clock = clock or serving.ServingClock.offline(requests, requests[0][0].device)
+    sequences = [prompt for prompt, _ in requests]
+    n_generated = [0] * len(requests)
+    waiting, running, n_steps = deque(range(len(requests))), [], 0
+    while waiting or running:
+        while waiting and len(running) < batch_size and clock.arrived(waiting[0]):
+            running.append(waiting.popleft())  # a free slot takes the next request
+        if not running:
+            clock.wait_for(waiting[0])
+            continue
+        with clock.step(rows=len(running)):
+            tokens = next_tokens(model, [sequences[i] for i in running], seqlen).tolist()  # a new padded batch
+            for i, token in zip(running, tokens):
+                sequences[i] = torch.cat([sequences[i], sequences[i].new_tensor([token])])
+                n_generated[i] += 1
+        for i in running:
+            clock.token(i, n_generated[i])
+        running = [i for i in running if n_generated[i] < requests[i][1]]  # finished requests leave
+        n_steps += 1
+    outputs = [s[len(prompt):] for s, (prompt, _) in zip(sequences, requests)]
+    return outputs, n_steps
+
+
+def run_variants(base, requests, arrivals, batch_size, args, seqlen, device):
+    """Each variant on the trace: {name: (outputs, clock, extra figures)}."""
+    n_blocks = args.n_blocks or batch_size * seqlen // args.block_size  # the memory of a contiguous cache
+
+    def engine(chunk_size):
+        def serve(requests, clock):
+            eng = PagedEngine(base, n_blocks, args.block_size, batch_size, chunk_size)
+            outputs, _ = eng.generate(requests, seqlen, clock)
+            return outputs, dict(kv_cache_mb=eng.runner.nbytes / 2**20, **eng.stats)
+        return serve
+
+    variants = {
+        "static batching": lambda r, c: (static_batching(base, r, batch_size, seqlen, c)[0], {}),
+        "continuous batching": lambda r, c: (continuous_batching(base, r, batch_size, seqlen, c)[0], {}),
+        "paged, whole prompts": engine(None),
+        f"paged, chunked prefill {args.chunk_size}": engine(args.chunk_size),
+    }
+    results = {}
+    for name, serve in variants.items():
+        serve(requests[:2], serving.ServingClock.offline(requests[:2], device))  # warm-up
+        clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
+        outputs, extra = serve(requests, clock)
+        results[name] = outputs, clock, extra
+    return results
+
+
+def make_rows(results, reference, val_loss):
+    rows = []
+    for name, (outputs, clock, extra) in results.items():
+        figures = serving.latency_figures(clock)
+        rows.append(iu.make_row(name, val_loss=val_loss, kv_cache_mb=extra.get("kv_cache_mb"),
+                                steps=figures.pop("steps"), wasted=figures.pop("wasted_slot_steps"),
+                                **figures, kv_util=extra.get("kv_util"), kv_util_contig=extra.get("kv_util_contiguous"),
+                                preempted=extra.get("preemptions"), same=serving.same_outputs(outputs, reference)))
+    for row in rows:
+        for key in ("ttft_p99_ms", "tpot_p99_ms"):
+            row[key] = round(row[key], 2)
+        for key in ("kv_util", "kv_util_contig"):
+            row[key] = None if row[key] is None else f"{row[key]:.1%}"
+    return rows
+
+
+def plot_sweep(sweep, path, preset, device, rate):
+    fig, (ax_tput, ax_tpot) = iu.new_figure(2)
+    for name, points in sweep["variants"].items():
+        ax_tput.plot(sweep["batch_sizes"], points["tokens_per_s"], marker="o", label=name)
+        ax_tpot.plot(sweep["batch_sizes"], points["tpot_p99_ms"], marker="o", label=name)
+    ax_tput.set(xscale="log", xlabel="batch size", ylabel="throughput (tokens/s)", ylim=(0, None),
+                title=f"preset {preset.name}, {device}, rate {rate:g}/s")
+    ax_tpot.set(xscale="log", yscale="log", xlabel="batch size", ylabel="p99 TPOT (ms)", title="p99 TPOT from arrival")
+    ax_tput.legend()
+    iu.save_plot(fig, path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    serving.add_trace_args(parser, n_requests=64, rate=200.0)
+    parser.add_argument("--batch-size", type=int, default=8, help="batch slots of every variant")
+    parser.add_argument("--block-size", type=int, default=8, help="tokens per KV block of the paged engine")
+    parser.add_argument("--n-blocks", type=int, default=None,
+                        help="KV blocks in the pool (default: batch-size * seqlen / block-size, a contiguous cache's memory)")
+    parser.add_argument("--chunk-size", type=int, default=16, help="prefill tokens per step with chunked prefill")
+    parser.add_argument("--plot-batch-sizes", type=int, nargs="+", default=[2, 4, 8, 16],
+                        help="batch sizes of the --plot sweep")
+    args = parser.parse_args(argv)
+
+    def check_args(preset):
+        serving.check_trace_args(args, parser, preset.seqlen)
+        for flag, value in [("--batch-size", args.batch_size), ("--block-size", args.block_size),
+                            ("--chunk-size", args.chunk_size), ("--plot-batch-sizes", min(args.plot_batch_sizes)),
+                            ("--n-blocks", 1 if args.n_blocks is None else args.n_blocks)]:
+            if value < 1:
+                parser.error(f"{flag} must be at least 1, got {value}")
+        if args.block_size > preset.seqlen:
+            parser.error(f"--block-size must be at most seqlen={preset.seqlen}, got {args.block_size}")
+        if args.n_blocks is not None and args.n_blocks * args.block_size < preset.seqlen - 1:
+            need = -(-(preset.seqlen - 1) // args.block_size)
+            parser.error(f"--n-blocks {args.n_blocks} of {args.block_size} tokens cannot hold one request of the "
+                         f"window seqlen={preset.seqlen}: give at least {need} blocks")
+
+    preset, device, data = iu.setup(args, parser, check_args)
+    base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
+    cached = GPTlite_KVCache(**preset.model_config()).to(device).eval()
+    cached.load_state_dict(base.state_dict())
+    seqlen = preset.seqlen
+    requests, arrivals = serving.make_trace(data.val, args.n_requests, args.rate, seqlen, args.prompt_median,
+                                            args.output_median, seed=args.seed, device=device)
+    reference = serving.reference_outputs(cached, requests, seqlen)  # correctness first
+    val_loss = iu.validation_loss(base, data)
+
+    results = run_variants(base, requests, arrivals, args.batch_size, args, seqlen, device)
+    rows = make_rows(results, reference, val_loss)
+    prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
+    print(f"\ntrace: {len(requests)} requests, Poisson arrivals at {args.rate:g}/s over {arrivals[-1]:.2f} s, "
+          f"prompt lengths p50/p99/max {np.percentile(prompt_lens, 50):.0f}/{np.percentile(prompt_lens, 99):.0f}/"
+          f"{max(prompt_lens)}, output lengths {np.percentile(output_lens, 50):.0f}/{np.percentile(output_lens, 99):.0f}/"
+          f"{max(output_lens)}; batch size {args.batch_size}, KV blocks of {args.block_size} tokens")
+    print("TTFT/TPOT ms: p50 over requests, from arrival (p99 in the extra columns); tok/s: new tokens per second of "
+          "steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved (paged pool), "
+          "kv_util_contig: the same against seqlen slots reserved per running sequence")
+    iu.print_table(rows, untrained=args.untrained)
+    tput = {r["variant"]: r["tokens_per_s"] for r in rows}
+    tpot99 = [r["tpot_p99_ms"] for r in rows]
+    print(f"continuous / static throughput: {tput['continuous batching'] / tput['static batching']:.2f}x; "
+          f"p99 TPOT whole prompts {tpot99[2]:.2f} ms, chunked prefill {tpot99[3]:.2f} ms")
+
+    sweep = None
+    if args.plot:
+        sweep = {"batch_sizes": sorted(args.plot_batch_sizes), "variants": {}}
+        for batch_size in sweep["batch_sizes"]:
+            for row in make_rows(run_variants(base, requests, arrivals, batch_size, args, seqlen, device),
+                                 reference, val_loss):
+                points = sweep["variants"].setdefault(row["variant"], {"tokens_per_s": [], "tpot_p99_ms": []})
+                points["tokens_per_s"].append(row["tokens_per_s"])
+                points["tpot_p99_ms"].append(row["tpot_p99_ms"])
+        plot_sweep(sweep, args.plot, preset, device, args.rate)
+    if args.json:
+        iu.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
+                     trace={"n_requests": len(requests), "rate": args.rate, "arrivals": arrivals,
+                            "prompt_lens": prompt_lens, "output_lens": output_lens},
+                     batch_size=args.batch_size, block_size=args.block_size, sweep=sweep)
+    failures = [r["variant"] for r in rows if r["same"] != "yes"]
+    if failures:
+        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+
+
+if __name__ == "__main__":
+    iu.run(main)

@@ -1,0 +1,123 @@
+"""Static batching: a batch of requests runs until its longest request is done.
+
+    python main_static_batching.py                         # cpu preset on CPU, gptlite on CUDA
+    python main_static_batching.py --batch-sizes 1 4 8 16 --json static.json
+    python main_static_batching.py --untrained --n-requests 8
+
+Blog section: "Batching / static batching". `next_tokens` runs one forward pass without a cache over
+a right-padded batch of sequences of different lengths; each sequence reads the logits at its own
+last position (the causal mask keeps the padding after it invisible). `static_batching` takes the
+requests batch_size at a time in order; a request that finishes early keeps its slot (it is still
+computed, its extra tokens are dropped: wasted slot-steps) until the longest one of its batch is done.
+
+The script draws one offline trace (every request there at time 0, long-tailed prompt and output
+lengths), checks that static batching returns, for every request, exactly the tokens of generating
+it alone with `generate_kvcache`, and prints steps, wasted slot-steps, throughput and latency per
+batch size. TTFT/TPOT come from the serving clock of serving.py (measured step times).
+"""
+import argparse
+from collections import deque
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+import inference_utils as iu
+import serving
+from gptlite import GPTlite
+from gptlite_kvcache import GPTlite_KVCache
+
+
+@torch.inference_mode()
+def next_tokens(model, sequences, seqlen):
+    """The greedy next token of each sequence (a list of 1-D LongTensors): one padded forward, no cache.
+
+    Returns a LongTensor [len(sequences)]."""
+    lengths = torch.tensor([len(s) for s in sequences], device=sequences[0].device)  # [B]
+    if int(lengths.max()) > seqlen:
+        raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit the window seqlen={seqlen}")
+    batch = pad_sequence(sequences, batch_first=True, padding_value=0)  # [B, S], right padding
+    logits = iu.logits_of(model(batch))  # [B, S, vocab]
+    last = logits[torch.arange(len(sequences), device=batch.device), lengths - 1]  # [B, vocab]
+    return last.argmax(dim=-1)  # [B]
+
+
+def static_batching(model, requests, batch_size, seqlen, clock=None):
+    """Generate every request (prompt, n_tokens), batch_size requests at a time, in order.
+
+    A batch starts when the previous one is done, with the requests that have arrived by then (`clock`:
+    a serving.ServingClock; None: all there at time 0), and runs max(n_tokens) steps. Returns the new
+    tokens of each request (a list of 1-D LongTensors) and the number of steps."""
+    requests = serving.check_requests(model, requests, batch_size, seqlen)
+    clock = clock or serving.ServingClock.offline(requests, requests[0][0].device)
+    sequences = [prompt for prompt, _ in requests]
+    n_generated = [0] * len(requests)
+    waiting, n_steps = deque(range(len(requests))), 0
+    while waiting:
+        clock.wait_for(waiting[0])  # an empty engine waits for the next request
+        batch = []
+        while waiting and len(batch) < batch_size and clock.arrived(waiting[0]):
+            batch.append(waiting.popleft())
+        for _ in range(max(requests[i][1] for i in batch)):
+            with clock.step(rows=len(batch)):  # finished requests keep their slot: still computed
+                tokens = next_tokens(model, [sequences[i] for i in batch], seqlen).tolist()
+                kept = [i for i in batch if n_generated[i] < requests[i][1]]  # the others' tokens are dropped
+                for i, token in zip(batch, tokens):
+                    if i in kept:
+                        sequences[i] = torch.cat([sequences[i], sequences[i].new_tensor([token])])
+                        n_generated[i] += 1
+            for i in kept:
+                clock.token(i, n_generated[i])
+            n_steps += 1
+    outputs = [s[len(prompt):] for s, (prompt, _) in zip(sequences, requests)]
+    return outputs, n_steps
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    serving.add_trace_args(parser, n_requests=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
+                        help="requests per static batch, a row each")
+    args = parser.parse_args(argv)
+
+    def check_args(preset):
+        serving.check_trace_args(args, parser, preset.seqlen)
+        if min(args.batch_sizes) < 1 or len(set(args.batch_sizes)) != len(args.batch_sizes):
+            parser.error(f"--batch-sizes must be distinct and at least 1, got {args.batch_sizes}")
+
+    preset, device, data = iu.setup(args, parser, check_args)
+    base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
+    cached = GPTlite_KVCache(**preset.model_config()).to(device).eval()
+    cached.load_state_dict(base.state_dict())
+    seqlen = preset.seqlen
+    requests, _ = serving.make_trace(data.val, args.n_requests, float("inf"), seqlen, args.prompt_median,
+                                     args.output_median, seed=args.seed, device=device)
+    reference = serving.reference_outputs(cached, requests, seqlen)
+    val_loss = iu.validation_loss(base, data)
+
+    static_batching(base, requests[:2], 2, seqlen)  # warm-up
+    rows = []
+    for batch_size in args.batch_sizes:
+        clock = serving.ServingClock.offline(requests, device)
+        outputs, _ = static_batching(base, requests, batch_size, seqlen, clock)
+        rows.append(iu.make_row(f"static batching, batch {batch_size}", val_loss=val_loss,
+                                **serving.latency_figures(clock), same=serving.same_outputs(outputs, reference)))
+    n_new = sum(n for _, n in requests)
+    print(f"\n{len(requests)} requests at time 0, {n_new} new tokens in all, no KV cache (the post's next_tokens); "
+          f"TTFT/TPOT: p50 (and p99) over requests, from arrival; tok/s: new tokens per second of steps")
+    iu.print_table(rows, untrained=args.untrained)
+    if args.plot:
+        fig, ax = iu.new_figure()
+        ax.bar([str(b) for b in args.batch_sizes], [r["wasted_slot_steps"] for r in rows])
+        ax.set(xlabel="batch size", ylabel="wasted slot-steps", title=f"static batching, {len(requests)} requests")
+        iu.save_plot(fig, args.plot)
+    if args.json:
+        iu.save_json(args.json, "main_static_batching.py", preset, device, rows, untrained=args.untrained,
+                     n_requests=len(requests), n_new_tokens=n_new)
+    failures = [r["variant"] for r in rows if r["same"] != "yes"]
+    if failures:
+        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+
+
+if __name__ == "__main__":
+    iu.run(main)

@@ -1,0 +1,152 @@
+"""What every batching scheduler of this repository shares: request checks, a request trace, the
+serving clock, and the per-request latency figures (TTFT and TPOT from arrival, p50 and p99).
+
+Blog section: "Batching". A request is `(prompt, n_tokens)`: a 1-D LongTensor of token ids and the
+number of new tokens to generate greedily. A trace adds an arrival time (seconds) to each request.
+
+The serving clock. Arrivals are simulated against the engine's own clock, without sleeping: the
+clock advances by the measured wall time of every scheduler step (CUDA synchronized, `iu.Timer`),
+and when the engine has nothing to do it jumps to the next arrival (the time a real server would
+spend waiting). A request can join a batch only once the clock has passed its arrival, so it waits
+for the steps that run before it, exactly as it would on a live server whose requests come at those
+times. Each new token is stamped with the clock at the end of the step that produced it:
+TTFT = first token - arrival, TPOT = (last token - first token) / (n_tokens - 1). Throughput counts
+the generated tokens over the busy time (the sum of the step times; waiting is not work).
+"""
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+import inference_utils as iu
+from gptlite import check_generation_args
+from gptlite_kvcache import generate_kvcache
+
+
+def check_requests(model, requests, batch_size, seqlen):
+    """Clear errors before any work; returns the requests as a list of (1-D prompt, n_tokens)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+    if len(requests) == 0:
+        raise ValueError("no requests: give a list of (prompt, n_tokens)")
+    checked = []
+    for i, request in enumerate(requests):
+        prompt, n_tokens = request
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1:
+            raise ValueError(f"request {i}: the prompt must be a 1-D LongTensor of token ids, "
+                             f"got {type(prompt).__name__} {tuple(getattr(prompt, 'shape', ()))}")
+        try:
+            check_generation_args(model, prompt[None], n_tokens, seqlen)
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
+        if len(prompt) + n_tokens > seqlen:
+            raise ValueError(f"request {i}: a prompt of {len(prompt)} tokens plus {n_tokens} new tokens is longer "
+                             f"than the window seqlen={seqlen} (positions are absolute); ask for at most "
+                             f"{seqlen - len(prompt)} new tokens or shorten the prompt")
+        checked.append((prompt, n_tokens))
+    return checked
+
+
+def make_trace(source, n_requests, rate, seqlen, prompt_median, output_median, seed=0, sigma_prompt=0.6,
+               sigma_output=1.0, device="cpu"):
+    """A serving trace: Poisson arrivals at `rate` requests/s (inf: all at time 0), and log-normal
+    (long-tailed) prompt and output lengths around their medians, cut so that each request fits the
+    window (prompt + output <= seqlen). Prompts are windows of `source`, a 1-D tensor of token ids.
+    Returns (requests, arrivals): a list of (prompt [P], n_tokens) and a list of seconds."""
+    if n_requests < 1 or not rate > 0 or not 1 <= prompt_median < seqlen or not 1 <= output_median < seqlen:
+        raise ValueError(f"a trace needs n_requests >= 1, rate > 0 and medians in [1, {seqlen}), got "
+                         f"{n_requests}, {rate}, {prompt_median}, {output_median}")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1 / rate, n_requests) if np.isfinite(rate) else np.zeros(n_requests)
+    arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at time 0
+    prompt_lens = np.clip(np.rint(rng.lognormal(np.log(prompt_median), sigma_prompt, n_requests)), 1, seqlen - 1)
+    output_lens = np.rint(rng.lognormal(np.log(output_median), sigma_output, n_requests))
+    output_lens = np.clip(output_lens, 1, seqlen - prompt_lens)
+    starts = rng.integers(0, len(source) - seqlen, n_requests)
+    requests = [(source[s:s + int(p)].to(device), int(n)) for s, p, n in zip(starts, prompt_lens, output_lens)]
+    return requests, [float(a) for a in arrivals]
+
+
+class ServingClock:
+    """The engine's clock (see the module docstring): measured step times plus skipped idle gaps."""
+
+    def __init__(self, arrivals, n_tokens, device="cpu"):
+        self.arrivals, self.n_tokens, self.device = list(arrivals), list(n_tokens), device
+        self.now = 0.0        # seconds since the trace started
+        self.busy = 0.0       # seconds spent in steps
+        self.n_steps = 0
+        self.slot_steps = 0   # batch rows computed, summed over steps
+        self.first = [None] * len(self.arrivals)   # clock at each request's first token
+        self.last = [None] * len(self.arrivals)    # clock at each request's last token
+
+    @classmethod
+    def offline(cls, requests, device="cpu"):
+        """Every request there at time 0 (an offline batch job)."""
+        return cls([0.0] * len(requests), [n for _, n in requests], device)
+
+    def arrived(self, i):
+        return self.arrivals[i] <= self.now
+
+    def wait_for(self, i):
+        """Nothing to run: skip to request i's arrival."""
+        self.now = max(self.now, self.arrivals[i])
+
+    @contextmanager
+    def step(self, rows):
+        """Time one scheduler step that computes `rows` batch rows."""
+        with iu.Timer(self.device) as timer:
+            yield
+        self.now += timer.seconds
+        self.busy += timer.seconds
+        self.n_steps += 1
+        self.slot_steps += rows
+
+    def token(self, i, n_generated):
+        """Request i now has `n_generated` tokens; stamp its first and last."""
+        if n_generated == 1:
+            self.first[i] = self.now
+        if n_generated == self.n_tokens[i]:
+            self.last[i] = self.now
+
+
+def latency_figures(clock):
+    """p50/p99 TTFT and TPOT (ms, from arrival) and throughput (tokens per busy second) of a finished run."""
+    if None in clock.last:
+        raise RuntimeError(f"{clock.last.count(None)} requests never finished; this is a bug")
+    ttft = [(f - a) * 1e3 for f, a in zip(clock.first, clock.arrivals)]
+    tpot = [(l - f) * 1e3 / (n - 1) for f, l, n in zip(clock.first, clock.last, clock.n_tokens) if n > 1]
+    tpot = tpot or [0.0]
+    n_generated = sum(clock.n_tokens)
+    return dict(ttft_ms=float(np.percentile(ttft, 50)), tpot_ms=float(np.percentile(tpot, 50)),
+                tokens_per_s=n_generated / clock.busy if clock.busy > 0 else None,
+                ttft_p99_ms=float(np.percentile(ttft, 99)), tpot_p99_ms=float(np.percentile(tpot, 99)),
+                steps=clock.n_steps, wasted_slot_steps=max(clock.slot_steps - n_generated, 0))
+
+
+def reference_outputs(cached_model, requests, seqlen):
+    """Each request generated alone with generate_kvcache (greedy): what every scheduler must return."""
+    return [generate_kvcache(cached_model, prompt[None], n, seqlen)[0] for prompt, n in requests]
+
+
+def same_outputs(outputs, reference):
+    """'yes' when every request's tokens equal the reference, else how many differ."""
+    wrong = sum(not torch.equal(o.to(r.device), r) for o, r in zip(outputs, reference))
+    return "yes" if wrong == 0 and len(outputs) == len(reference) else f"NO ({wrong} differ)"
+
+
+def add_trace_args(parser, n_requests=64, rate=float("inf")):
+    parser.add_argument("--n-requests", type=int, default=n_requests, help="requests in the trace")
+    parser.add_argument("--rate", type=float, default=rate,
+                        help="Poisson arrival rate, requests per second (inf: every request at time 0)")
+    parser.add_argument("--prompt-median", type=int, default=32, help="median prompt length (log-normal)")
+    parser.add_argument("--output-median", type=int, default=16, help="median output length (log-normal, long tail)")
+
+
+def check_trace_args(args, parser, seqlen):
+    if args.n_requests < 1:
+        parser.error(f"--n-requests must be at least 1, got {args.n_requests}")
+    if not args.rate > 0:
+        parser.error(f"--rate must be above 0 requests per second, got {args.rate}")
+    for flag, value in [("--prompt-median", args.prompt_median), ("--output-median", args.output_median)]:
+        if not 1 <= value < seqlen:
+            parser.error(f"{flag} must be between 1 and seqlen-1={seqlen - 1}, got {value}")

@@ -1,0 +1,188 @@
+"""Static and continuous batching (the post's) against generating each request alone; steps; bad input;
+the serving clock and trace; both scripts end to end on random weights."""
+import json
+
+import pytest
+import torch
+
+import inference_utils as iu
+import main_continuous_batching
+import main_static_batching
+import serving
+from conftest import TINY
+from gptlite_kvcache import generate_kvcache
+from main_continuous_batching import continuous_batching
+from main_static_batching import next_tokens, static_batching
+
+SEQLEN = TINY["seqlen"]
+
+
+def random_requests(n, seed, max_prompt=SEQLEN - 1):
+    """n requests with random prompt lengths and output lengths that fit the window."""
+    g = torch.Generator().manual_seed(seed)
+    requests = []
+    for _ in range(n):
+        prompt_len = int(torch.randint(1, max_prompt + 1, (1,), generator=g))
+        n_tokens = int(torch.randint(1, SEQLEN - prompt_len + 1, (1,), generator=g))
+        requests.append((torch.randint(TINY["vocab_size"], (prompt_len,), generator=g), n_tokens))
+    return requests
+
+
+def one_at_a_time(cached, requests):
+    return [generate_kvcache(cached, prompt[None], n, SEQLEN)[0] for prompt, n in requests]
+
+
+def assert_same(outputs, expected):
+    assert len(outputs) == len(expected)
+    for i, (o, e) in enumerate(zip(outputs, expected)):
+        assert torch.equal(o, e), f"request {i}: {o.tolist()} != {e.tolist()}"
+
+
+def test_next_tokens_reads_each_sequence_at_its_own_last_position(tiny_models):
+    base, _ = tiny_models
+    sequences = [r[0] for r in random_requests(5, seed=1)]
+    alone = torch.stack([base(s[None])[0, -1].argmax() for s in sequences])
+    assert torch.equal(next_tokens(base, sequences, SEQLEN), alone)
+    assert len({len(s) for s in sequences}) > 1  # the padding really differs between sequences
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_static_and_continuous_batching_equal_one_request_at_a_time(tiny_models, seed, batch_size):
+    base, cached = tiny_models
+    requests = random_requests(9, seed)
+    expected = one_at_a_time(cached, requests)
+    static, n_static = static_batching(base, requests, batch_size, SEQLEN)
+    continuous, n_continuous = continuous_batching(base, requests, batch_size, SEQLEN)
+    assert_same(static, expected)
+    assert_same(continuous, expected)
+    assert n_continuous <= n_static
+    # static: each batch runs as long as its longest request; batch 1: one step per token
+    lengths = [n for _, n in requests]
+    assert n_static == sum(max(lengths[i:i + batch_size]) for i in range(0, len(lengths), batch_size))
+    if batch_size == 1:
+        assert n_continuous == n_static == sum(lengths)
+    if batch_size >= len(requests):
+        assert n_continuous == max(lengths)
+
+
+def test_continuous_never_takes_more_steps_than_static_on_random_workloads(tiny_models):
+    base, _ = tiny_models
+    for seed in range(12):
+        requests = [(torch.zeros(1, dtype=torch.long), n) for _, n in random_requests(12, seed + 100)]
+        for batch_size in (2, 5):
+            clock_s, clock_c = (serving.ServingClock.offline(requests) for _ in range(2))
+            _, n_static = static_batching(base, requests, batch_size, SEQLEN, clock_s)
+            _, n_continuous = continuous_batching(base, requests, batch_size, SEQLEN, clock_c)
+            assert n_continuous <= n_static
+            n_new = sum(n for _, n in requests)
+            assert serving.latency_figures(clock_c)["wasted_slot_steps"] == 0  # every row's token is kept
+            assert clock_s.slot_steps - n_new == serving.latency_figures(clock_s)["wasted_slot_steps"] >= 0
+
+
+def test_a_worked_example_of_steps_and_wasted_slot_steps(tiny_models):
+    base, _ = tiny_models
+    requests = [(torch.tensor([1, 2]), n) for n in (1, 9, 2, 2)]
+    clock = serving.ServingClock.offline(requests)
+    _, n_static = static_batching(base, requests, 2, SEQLEN, clock)
+    assert n_static == 9 + 2  # batches {1, 9} and {2, 2}
+    assert serving.latency_figures(clock)["wasted_slot_steps"] == (9 - 1) + 0
+    _, n_continuous = continuous_batching(base, requests, 2, SEQLEN)
+    assert n_continuous == 9  # the 9-token request runs while the others take turns in the other slot
+
+
+def test_requests_join_only_after_they_arrive(tiny_models):
+    base, cached = tiny_models
+    requests = random_requests(4, seed=7)
+    arrivals = [0.0, 1e3, 2e3, 3e3]  # far apart: every request runs alone
+    for fn in (static_batching, continuous_batching):
+        clock = serving.ServingClock(arrivals, [n for _, n in requests])
+        outputs, n_steps = fn(base, requests, 4, SEQLEN, clock)
+        assert_same(outputs, one_at_a_time(cached, requests))
+        assert n_steps == sum(n for _, n in requests)
+        for arrival, first, last in zip(arrivals, clock.first, clock.last):
+            assert arrival < first <= last < arrival + 1e3
+        figures = serving.latency_figures(clock)
+        assert 0 < figures["ttft_ms"] <= figures["ttft_p99_ms"] and figures["tokens_per_s"] > 0
+
+
+def test_trace_is_seeded_long_tailed_and_fits_the_window():
+    source = torch.arange(1000) % 65
+    requests, arrivals = serving.make_trace(source, 400, 50.0, 128, 32, 16, seed=3)
+    again, arrivals_again = serving.make_trace(source, 400, 50.0, 128, 32, 16, seed=3)
+    assert arrivals == arrivals_again and all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(requests, again))
+    assert arrivals[0] == 0 and all(b >= a for a, b in zip(arrivals, arrivals[1:]))
+    assert 1 / 50 * 0.8 < arrivals[-1] / 399 < 1 / 50 * 1.2  # mean gap of a Poisson process at 50/s
+    prompt_lens, outputs = [len(p) for p, _ in requests], [n for _, n in requests]
+    assert all(p >= 1 and n >= 1 and p + n <= 128 for p, n in zip(prompt_lens, outputs))
+    assert max(outputs) > 4 * sorted(outputs)[200]  # a long tail
+    _, at_once = serving.make_trace(source, 5, float("inf"), 128, 32, 16)
+    assert at_once == [0.0] * 5
+
+
+@pytest.mark.parametrize("fn", [static_batching, continuous_batching])
+def test_bad_requests_are_clear_errors_before_any_work(tiny_models, fn, monkeypatch):
+    base, _ = tiny_models
+    for module in (main_static_batching, main_continuous_batching):
+        monkeypatch.setattr(module, "next_tokens", lambda *a: pytest.fail("no work before the checks"))
+    good = (torch.tensor([1, 2, 3]), 2)
+    cases = {"empty": [good, (torch.tensor([], dtype=torch.long), 2)],
+             "positive integer": [good, (torch.tensor([1]), 0)],
+             "longer than the window": [good, (torch.ones(10, dtype=torch.long), SEQLEN - 9)],
+             "1-D LongTensor": [good, (torch.ones(1, 3, dtype=torch.long), 2)],
+             "vocabulary": [good, (torch.tensor([1, 99]), 2)],
+             "no requests": []}
+    for message, requests in cases.items():
+        with pytest.raises(ValueError, match=message):
+            fn(base, requests, 2, SEQLEN)
+    with pytest.raises(ValueError, match="batch_size"):
+        fn(base, [good], 0, SEQLEN)
+
+
+TINY_TRACE = ["--untrained", "--preset", "cpu", "--device", "cpu", "--n-requests", "6", "--prompt-median", "8",
+              "--output-median", "4"]
+
+
+def test_main_static_batching_end_to_end(real_data, tmp_path, capsys):
+    out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
+    main_static_batching.main(TINY_TRACE + ["--batch-sizes", "1", "3", "--json", str(out_json), "--plot", str(out_png)])
+    assert "static batching, batch 3" in capsys.readouterr().out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["same"] for r in rows] == ["yes", "yes"]
+    assert rows[0]["wasted_slot_steps"] == 0 and rows[1]["steps"] <= rows[0]["steps"]
+    assert all(r["tokens_per_s"] > 0 and r["tpot_p99_ms"] >= r["tpot_ms"] for r in rows)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
+    out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
+    main_continuous_batching.main(TINY_TRACE + ["--batch-size", "2", "--chunk-size", "3", "--n-blocks", "40",
+                                                "--plot-batch-sizes", "1", "3", "--json", str(out_json),
+                                                "--plot", str(out_png)])
+    assert "continuous / static throughput" in capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["static batching", "continuous batching", "paged, whole prompts", "paged, chunked prefill 3"]
+    assert all(r["same"] == "yes" for r in rows.values())
+    assert rows["continuous batching"]["steps"] <= rows["static batching"]["steps"]
+    assert rows["paged, whole prompts"]["kv_cache_mb"] == pytest.approx(
+        40 * 8 * 2 * 4 * 4 * 32 * 4 / 2**20)  # blocks x tokens x (K, V) x layers x heads x d_head x fp32
+    assert set(result["sweep"]["variants"]) == set(rows)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("script, flags", [
+    (main_static_batching, ["--batch-sizes", "0"]), (main_static_batching, ["--batch-sizes", "2", "2"]),
+    (main_static_batching, ["--n-requests", "0"]), (main_static_batching, ["--rate", "0"]),
+    (main_continuous_batching, ["--batch-size", "0"]), (main_continuous_batching, ["--block-size", "0"]),
+    (main_continuous_batching, ["--chunk-size", "0"]), (main_continuous_batching, ["--n-blocks", "0"]),
+    (main_continuous_batching, ["--n-blocks", "15"]), (main_continuous_batching, ["--block-size", "129"]),
+    (main_continuous_batching, ["--prompt-median", "128"]), (main_continuous_batching, ["--output-median", "0"]),
+    (main_continuous_batching, ["--plot-batch-sizes", "0"]), (main_continuous_batching, ["--bogus"]),
+    (main_continuous_batching, ["--plot", "out.txt"])])
+def test_bad_flags_are_clear_errors_before_any_work(script, flags, capsys, monkeypatch):
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        script.main(["--untrained", "--device", "cpu"] + flags)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
