@@ -195,3 +195,52 @@ def test_bad_input_is_a_clear_error(tiny_models):
     with pytest.raises(ValueError, match="n_tokens"):
         store.generate(random_tokens(5), 0)
     assert store.stats()["requests"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# main_prefix_cache.py end to end on random weights, and its flags.
+
+def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, capsys, monkeypatch):
+    import json
+
+    import inference_utils as iu
+    import main_prefix_cache
+    # the standard evaluation (20 batches of 32 x 128) takes seconds and has its own tests; the script
+    # only reports it, the same for every row
+    monkeypatch.setattr(iu, "validation_loss", lambda model, data: 4.2)
+    out_json, out_png = tmp_path / "pc.json", tmp_path / "pc.png"
+    main_prefix_cache.main(["--untrained", "--device", "cpu", "--prefix-len", "32", "--request-len", "8",
+                            "--n-tokens", "4", "--batch-sizes", "1", "2", "--n-requests", "3", "--turns", "3",
+                            "--repeats", "1", "--json", str(out_json), "--plot", str(out_png)])
+    printed = capsys.readouterr().out
+    assert "fallback to plain generation (no reuse), counted (fallbacks: 1)" in printed and "meaningless" in printed
+    result = json.loads(out_json.read_text())
+    rows = result["rows"]
+    assert result["script"] == "main_prefix_cache.py" and result["untrained"]
+    assert all(r["same_tokens"] == "yes" for r in rows)
+    assert [r["workload"] for r in rows] == (["post, 32+8"] * 6 + ["system prompt + question"] * 2
+                                             + ["one early token differs"] * 2
+                                             + [f"multi-turn, turn {t}" for t in (1, 2, 3) for _ in range(2)])
+    post = [r for r in rows if r["workload"] == "post, 32+8" and r["variant"] != "no prefix cache"]
+    assert all(r["hit_tokens"] == 32 and r["prompt_tokens"] == 40 for r in post)
+    assert [r["hit_tokens"] for r in rows if r["variant"] == "PrefixCache store"] == [32, 0, 0, 0, 16]
+    # turn 2: 8 + 4 + 8 = 20 tokens; the store holds turn 1's 8 + 3 = 11 tokens: no full block of 16
+    # turn 3: 32 tokens; the store holds turn 2's 20 + 3 = 23: one block (16), at most 1 of the 31 reusable
+    assert result["multi_turn_stats"]["hit_tokens"] == 16 and result["system_prompt_stats"]["hit_tokens"] == 32
+    assert all(r["kv_cache_mb"] is None for r in rows if r["variant"] == "no prefix cache")
+    assert all(r["ttft_ms"] > 0 and r["peak_mem_mb"] > 0 for r in rows)
+    assert result["ttft_sweep"]["prefix_len"][-1] == 120
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags", [["--prefix-len", "0"], ["--prefix-len", "120", "--request-len", "16"],
+                                   ["--n-tokens", "1"], ["--turns", "1"], ["--n-requests", "1"],
+                                   ["--batch-sizes", "2", "2"], ["--block-size", "0"], ["--block-size", "256"],
+                                   ["--capacity-tokens", "8"], ["--repeats", "0"], ["--plot", "x.txt"], ["--bogus"]])
+def test_main_prefix_cache_bad_flags_are_errors_before_any_work(flags, capsys, monkeypatch):
+    import inference_utils as iu
+    import main_prefix_cache
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_prefix_cache.main(["--untrained", "--device", "cpu"] + flags)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
