@@ -1,0 +1,136 @@
+"""GPTlite with grouped-query attention (GQA): the heads share their keys and values in groups.
+
+Blog section: "Grouped-query and multi-query attention". The n_heads query heads are split into
+n_groups groups of consecutive heads (head h is in group h // (n_heads // n_groups)); each group has
+one key head and one value head. n_groups == n_heads is multi-head attention (MHA), n_groups == 1 is
+multi-query attention (MQA). The KV cache stores the groups' keys and values only: n_groups / n_heads
+of the multi-head cache.
+
+A trained multi-head model becomes a GQA model by mean pooling the key and value heads of each group
+(`convert_mha_to_gqa`, the GQA paper's recipe), followed by a short uptraining.
+
+`GPTlite_GQA` is a `GPTlite_KVCache`: forward(idx, kv_cache, max_seqlen) -> (logits, cache), so
+`generate_kvcache`, `prefill` and `decode_one_token` of gptlite_kvcache.py work with it as they are,
+with a dynamic cache or with a `StaticKVCache` of n_groups heads (`static_kv_cache`).
+"""
+import torch
+import torch.nn as nn
+
+from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, StaticKVCache, \
+    scaled_dot_product_attention_kv_cache
+
+
+def check_n_groups(n_heads, n_groups):
+    if not isinstance(n_groups, int) or not 1 <= n_groups <= n_heads or n_heads % n_groups:
+        divisors = [g for g in range(1, n_heads + 1) if n_heads % g == 0]
+        raise ValueError(f"n_groups must divide n_heads={n_heads} (every group has as many query heads), "
+                         f"got {n_groups!r}; choose one of {divisors}")
+
+
+def update_kv_cache(kv_cache, K, V, max_seqlen, layer):
+    """Append the new keys and values [B, G, T, D] to this layer's cache; return the cached ones [B, G, n, D].
+
+    kv_cache: None, this layer's (keys, values), or a StaticKVCache written in place (as in
+    MultiHeadAttention_KVCache.forward); a full window drops its oldest entries."""
+    if isinstance(kv_cache, StaticKVCache):
+        return kv_cache.update(layer, K, V)
+    if kv_cache is not None:
+        K, V = torch.cat([kv_cache[0], K], dim=2), torch.cat([kv_cache[1], V], dim=2)  # [B, G, S+T, D]
+    if max_seqlen is not None and K.shape[2] > max_seqlen:
+        K, V = K[:, :, -max_seqlen:], V[:, :, -max_seqlen:]
+    return K, V
+
+
+def check_cache_shape(got, expected, got_dtype, dtype):
+    if got != expected or got_dtype != dtype:
+        raise ValueError(f"the KV cache was made for another model, batch or dtype (shape {got}, {got_dtype}; "
+                         f"expected {expected}, {dtype}); make a new cache")
+
+
+class MultiHeadAttention_GQA(MultiHeadAttention_KVCache):
+    def __init__(self, d_model, n_heads, d_head, dropout_p, n_groups):
+        check_n_groups(n_heads, n_groups)
+        super().__init__(d_model, n_heads, d_head, dropout_p)
+        self.n_groups = n_groups
+        # the same names as MultiHeadAttention's, with n_groups heads instead of n_heads
+        self.key_proj = nn.Linear(d_model, n_groups * d_head)
+        self.value_proj = nn.Linear(d_model, n_groups * d_head)
+
+    def forward(self, x, kv_cache=None, max_seqlen=None, layer=0):
+        """x: [B, T, d_model] new tokens; kv_cache as in MultiHeadAttention_KVCache, with n_groups heads.
+        Returns the output [B, T, d_model] and this layer's keys and values [B, G, n, D]."""
+        B, T, _ = x.shape
+        G, D = self.n_groups, self.d_head
+        Q = self.split_heads(self.query_proj(x))  # [B, H, T, D]
+        K = self.split_heads(self.key_proj(x))  # [B, G, T, D]: only the groups' keys are computed and cached
+        V = self.split_heads(self.value_proj(x))
+        K, V = update_kv_cache(kv_cache, K, V, max_seqlen, layer)  # [B, G, n, D]
+        # The heads of a group attend to the same keys: broadcast K and V over the group's heads
+        # ([B, G, 1, n, D] against queries [B, G, H/G, T, D]) instead of copying them H/G times.
+        Q = Q.view(B, G, self.n_heads // G, T, D)
+        out = scaled_dot_product_attention_kv_cache(Q, K.unsqueeze(2), V.unsqueeze(2), causal_mask=True,
+                                                    dropout=self.dropout)  # [B, G, H/G, T, D]
+        out = out.view(B, self.n_heads, T, D)  # [B, H, T, D], heads in their original order
+        return self.dropout(self.out_proj(self.merge_heads(out))), (K, V)
+
+
+class GPTlite_GQA(GPTlite_KVCache):
+    """GPTlite with a KV cache and n_groups key/value heads per block; state-dict keys as GPTlite's."""
+
+    def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, n_groups, d_ff=None):
+        check_n_groups(n_heads, n_groups)
+        super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
+        for block in self.blocks:
+            block.mha = MultiHeadAttention_GQA(d_model, n_heads, d_head, dropout_p, n_groups)
+        self.apply(self._init_weights)
+
+    def check_cache(self, kv_cache, batch_size, max_seqlen):
+        mha, dtype = self.blocks[0].mha, self.fc_out.weight.dtype
+        if isinstance(kv_cache, StaticKVCache):
+            expected = (len(self.blocks), batch_size, mha.n_groups, max_seqlen, mha.d_head)
+            check_cache_shape(tuple(kv_cache.keys.shape), expected, kv_cache.keys.dtype, dtype)
+        else:
+            keys = kv_cache[0][0]
+            got = (len(kv_cache), keys.shape[0], keys.shape[1], keys.shape[3])
+            check_cache_shape(got, (len(self.blocks), batch_size, mha.n_groups, mha.d_head), keys.dtype, dtype)
+
+
+def static_kv_cache(model, batch_size, max_seqlen=None):
+    """A StaticKVCache of the model's n_groups key/value heads (StaticKVCache.for_model would make n_heads)."""
+    mha, p = model.blocks[0].mha, model.fc_out.weight
+    return StaticKVCache(len(model.blocks), batch_size, mha.n_groups, mha.d_head, max_seqlen or model.seqlen,
+                         device=p.device, dtype=p.dtype)
+
+
+KV_PROJ_NAMES = tuple(f".{proj}.{p}" for proj in ("key_proj", "value_proj") for p in ("weight", "bias"))
+
+
+def convert_mha_to_gqa(state_dict, n_heads, d_head, n_groups):
+    """A GPTlite (or GPTlite_KVCache) state dict -> a GPTlite_GQA state dict with n_groups key/value heads.
+
+    The key (and value) heads of each group are replaced by their mean, weights and biases; every other
+    tensor is copied. n_groups == n_heads returns the same weights."""
+    check_n_groups(n_heads, n_groups)
+    converted = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(KV_PROJ_NAMES):
+            if tensor.shape[0] != n_heads * d_head:
+                raise ValueError(f"{name} has {tensor.shape[0]} outputs, not n_heads * d_head = {n_heads} * {d_head}: "
+                                 "give the multi-head model's n_heads and d_head")
+            # [H*D, ...] -> [G, H/G, D, ...]: consecutive heads form a group, as in MultiHeadAttention_GQA
+            grouped = tensor.view(n_groups, n_heads // n_groups, d_head, *tensor.shape[1:])
+            tensor = grouped.mean(dim=1).reshape(n_groups * d_head, *tensor.shape[1:])
+        converted[name] = tensor.clone()
+    return converted
+
+
+def load_gqa(path, device="cpu"):
+    """The uptrained GPTlite_GQA that main_gqa.py saved (its config holds n_groups), in eval mode."""
+    import inference_utils as iu
+    ckpt = iu.load_checkpoint(path)
+    if "n_groups" not in ckpt["config"]:
+        raise iu.CheckpointError(f"{path} is not a GQA checkpoint (no n_groups in its config); "
+                                 "make one with: python main_gqa.py")
+    model = GPTlite_GQA(**ckpt["config"])
+    model.load_state_dict(ckpt["state_dict"])
+    return model.to(device).eval()

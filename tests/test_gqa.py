@@ -1,0 +1,208 @@
+"""GQA/MQA: conversion by mean pooling against the multi-head model, the smaller cache, cached against
+uncached decoding, clear errors; main_gqa.py end to end on random weights."""
+import json
+
+import pytest
+import torch
+
+import inference_utils as iu
+import main_gqa
+from conftest import TINY
+from gptlite import GPTlite, generate
+from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, load_gqa, static_kv_cache
+from gptlite_kvcache import StaticKVCache, generate_kvcache
+
+ATOL = 1e-5  # float32
+SEQLEN, H, D = TINY["seqlen"], TINY["n_heads"], TINY["d_head"]
+FOUR_HEADS = dict(TINY, n_heads=4)  # 4 heads: MHA, GQA with 2 groups, MQA
+
+
+def random_tokens(batch_size, length, seed=1):
+    return torch.randint(TINY["vocab_size"], (batch_size, length), generator=torch.Generator().manual_seed(seed))
+
+
+def random_mha(config, seed=0):
+    """A GPTlite with every parameter from N(0, 0.5), as conftest's tiny_models."""
+    torch.manual_seed(seed)
+    model = GPTlite(**config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def converted(base, config, n_groups):
+    model = GPTlite_GQA(**config, n_groups=n_groups).eval()
+    model.load_state_dict(convert_mha_to_gqa(base.state_dict(), config["n_heads"], config["d_head"], n_groups))
+    return model
+
+
+@torch.inference_mode()
+def greedy_without_cache(model, prompt, n_tokens):
+    """Greedy decoding that re-encodes the whole sequence at every step, for models returning (logits, cache)."""
+    idx = prompt
+    for _ in range(n_tokens):
+        next_token = model(idx)[0][:, -1].argmax(dim=-1, keepdim=True)
+        idx = torch.cat([idx, next_token], dim=1)
+    return idx[:, prompt.shape[1]:]
+
+
+@torch.inference_mode()
+def prefill_then_steps(model, x, n_prefill, kv_cache=None, max_seqlen=None):
+    """Logits of x [B, S]: the first n_prefill tokens at once, then one token at a time on the cache."""
+    logits, cache = model(x[:, :n_prefill], kv_cache=kv_cache, max_seqlen=max_seqlen)
+    steps = [logits]
+    for t in range(n_prefill, x.shape[1]):
+        logits, cache = model(x[:, t:t + 1], kv_cache=cache, max_seqlen=max_seqlen)
+        steps.append(logits)
+    return torch.cat(steps, dim=1), cache
+
+
+def test_mha_conversion_equals_the_multi_head_model_exactly(tiny_models):
+    base, cached = tiny_models
+    mha = converted(base, TINY, H)
+    x = random_tokens(3, SEQLEN)
+    with torch.inference_mode():
+        assert torch.equal(mha(x)[0], base(x))
+        assert torch.equal(mha(x)[0], cached(x)[0])
+    prompt = random_tokens(3, 5, seed=2)
+    n_tokens = SEQLEN - 5 + 1
+    expected = generate(base, prompt, n_tokens, SEQLEN)
+    assert torch.equal(generate_kvcache(mha, prompt, n_tokens, SEQLEN), expected)
+    # past the window too (the cache keeps the last max_seqlen entries), the logits of the multi-head cached model
+    long = random_tokens(2, 3 * SEQLEN, seed=4)
+    for window in (SEQLEN, 7):
+        torch.testing.assert_close(prefill_then_steps(mha, long, 5, max_seqlen=window)[0],
+                                   prefill_then_steps(cached, long, 5, max_seqlen=window)[0], atol=ATOL, rtol=0)
+
+
+def test_conversion_mean_pools_consecutive_heads():
+    """GQA with the pooled weights = the multi-head model whose every head carries its group's pooled key
+    and value head: checks the pooling and which heads form a group."""
+    base = random_mha(FOUR_HEADS)
+    gqa = converted(base, FOUR_HEADS, 2)
+    expanded = {}
+    for name, tensor in gqa.state_dict().items():
+        if ".key_proj." in name or ".value_proj." in name:  # [G*D, ...] -> each group head repeated H/G times
+            tensor = tensor.view(2, D, *tensor.shape[1:]).repeat_interleave(2, dim=0).reshape(4 * D, *tensor.shape[1:])
+        expanded[name] = tensor
+    reference = GPTlite(**FOUR_HEADS).eval()
+    reference.load_state_dict(expanded)
+    x = random_tokens(2, SEQLEN)
+    with torch.inference_mode():
+        torch.testing.assert_close(gqa(x)[0], reference(x), atol=ATOL, rtol=0)
+        assert not torch.allclose(gqa(x)[0], base(x), atol=1e-2)  # pooling changes the model
+    w = base.state_dict()["blocks.0.mha.key_proj.weight"]  # [4*D, d_model]
+    torch.testing.assert_close(gqa.state_dict()["blocks.0.mha.key_proj.weight"][:D], (w[:D] + w[D:2 * D]) / 2)
+
+
+@pytest.mark.parametrize("config", [TINY, FOUR_HEADS], ids=["3 heads", "4 heads"])
+def test_cache_holds_the_groups_only_mqa_is_one_over_n_heads(config):
+    base = random_mha(config)
+    x = random_tokens(2, SEQLEN)
+    n_heads = config["n_heads"]
+    sizes = {}
+    for n_groups in main_gqa.group_counts(n_heads):
+        with torch.inference_mode():
+            _, cache = converted(base, config, n_groups)(x)
+        assert cache[0][0].shape == (2, n_groups, SEQLEN, D)
+        sizes[n_groups] = iu.kv_cache_bytes(cache)
+    assert sizes[1] * n_heads == sizes[n_heads]  # MQA
+    assert all(sizes[g] * n_heads == sizes[n_heads] * g for g in sizes)
+    static = static_kv_cache(converted(base, config, 1), 2)
+    assert static.nbytes * n_heads == StaticKVCache.for_model(converted(base, config, n_heads), 2).nbytes
+
+
+@pytest.mark.parametrize("n_groups", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_gqa_with_a_cache_matches_gqa_without(n_groups, kind):
+    gqa = converted(random_mha(FOUR_HEADS), FOUR_HEADS, n_groups)
+    x = random_tokens(3, SEQLEN, seed=3)
+    with torch.inference_mode():
+        full = gqa(x)[0]
+    new_cache = (lambda: None) if kind == "dynamic" else (lambda: static_kv_cache(gqa, 3))
+    logits, cache = prefill_then_steps(gqa, x, 5, new_cache())
+    torch.testing.assert_close(logits, full, atol=ATOL, rtol=0)
+    assert cache[0][0].shape[1] == n_groups if kind == "dynamic" else cache.keys.shape[2] == n_groups
+    chunks, cache = [], new_cache()  # several new tokens on top of a cache
+    for start, stop in [(0, 4), (4, 9), (9, SEQLEN)]:
+        logits, cache = gqa(x[:, start:stop], kv_cache=cache)
+        chunks.append(logits)
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=0)
+    prompt, n_tokens = x[:, :5], SEQLEN - 5 + 1
+    tokens = generate_kvcache(gqa, prompt, n_tokens, SEQLEN, kv_cache=new_cache())
+    assert torch.equal(tokens, greedy_without_cache(gqa, prompt, n_tokens))
+
+
+def test_bad_group_counts_and_caches_are_clear_errors(tiny_models):
+    base, cached = tiny_models
+    for n_groups in (2, 0, 4, 1.5):
+        with pytest.raises(ValueError, match=r"n_groups must divide n_heads=3.*\[1, 3\]"):
+            GPTlite_GQA(**TINY, n_groups=n_groups)
+        with pytest.raises(ValueError, match="n_groups must divide"):
+            convert_mha_to_gqa(base.state_dict(), H, D, n_groups)
+    with pytest.raises(ValueError, match="not n_heads \\* d_head"):
+        convert_mha_to_gqa(base.state_dict(), 4, D, 2)  # the wrong head count for this state dict
+    mqa, prompt = converted(base, TINY, 1), random_tokens(2, 4)
+    _, mha_cache = cached(prompt)
+    with pytest.raises(ValueError, match="another model, batch or dtype"):
+        generate_kvcache(mqa, prompt, 3, SEQLEN, kv_cache=mha_cache)  # 3 heads cached, MQA has 1
+    with pytest.raises(ValueError, match="another model, batch or dtype"):
+        generate_kvcache(mqa, prompt, 3, SEQLEN, kv_cache=StaticKVCache.for_model(mqa, 2))  # n_heads, not n_groups
+
+
+def test_saved_gqa_checkpoint_loads_with_its_config(tmp_path):
+    gqa = converted(random_mha(FOUR_HEADS), FOUR_HEADS, 2)
+    path = tmp_path / "gqa.pt"
+    iu.save_checkpoint(path, gqa, {**FOUR_HEADS, "n_groups": 2}, "abc")
+    loaded = load_gqa(path)
+    x = random_tokens(2, SEQLEN)
+    with torch.inference_mode():
+        assert torch.equal(loaded(x)[0], gqa(x)[0])
+    iu.save_checkpoint(path, random_mha(TINY), TINY, "abc")
+    with pytest.raises(iu.CheckpointError, match="not a GQA checkpoint"):
+        load_gqa(path)
+
+
+@pytest.fixture
+def one_batch_validation(monkeypatch):
+    """Validation on one batch instead of 20 (10 inside train_steps): the script's logic, not its precision."""
+    validation_loss = iu.validation_loss
+    monkeypatch.setattr(iu, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
+        model, data, n_batches=1, **kw))
+
+
+def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path, capsys, one_batch_validation):
+    out_json, out_png, out_ckpt = tmp_path / "gqa.json", tmp_path / "gqa.png", tmp_path / "gqa.pt"
+    main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+                   "--n-tokens", "4", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png),
+                   "--save", str(out_ckpt)])
+    printed = capsys.readouterr().out
+    assert "meaningless" in printed and "equals the multi-head model: yes" in printed
+    result = json.loads(out_json.read_text())
+    assert result["script"] == "main_gqa.py" and result["untrained"] and result["uptrain_steps"] == 1
+    assert all(result["checks"].values()) and set(result["checks"]) == {"MHA", "GQA-2", "MQA", "MHA conversion exact"}
+    rows = result["rows"]
+    assert [(r["variant"], r["n_groups"], r["kv_vs_mha"]) for r in rows] == [
+        ("MHA", 4, "1.000"), ("GQA-2", 2, "0.500"), ("MQA", 1, "0.250")]
+    p = iu.PRESETS["cpu"]
+    assert rows[0]["kv_cache_mb"] == pytest.approx(2 * p.n_layers * 2 * p.n_heads * p.seqlen * p.d_head * 4 / 2**20)
+    for r in rows:
+        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+        assert r["val_loss"] > 0 and r["loss_converted"] > 0 and r["cached_ok"] == "yes"
+    base = iu.load_model(GPTlite, "cpu", untrained=True, seed=0)  # the script's random weights
+    assert rows[0]["loss_converted"] == pytest.approx(iu.validation_loss(base, real_data), abs=1e-4)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = load_gqa(out_ckpt)
+    assert saved.blocks[0].mha.n_groups == 2 and iu.load_checkpoint(out_ckpt)["meta"]["uptrain_steps"] == 1
+
+
+@pytest.mark.parametrize("flags", [["--uptrain-steps", "0"], ["--batch-size", "0"], ["--n-tokens", "1"],
+                                   ["--prompt-len", "129"], ["--repeats", "0"], ["--lr", "0"], ["--save-groups", "3"],
+                                   ["--save", "/no/such/folder/g.pt"], ["--plot", "g.txt"], ["--bogus"]])
+def test_main_gqa_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_gqa.main(["--untrained", "--device", "cpu"] + flags)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
