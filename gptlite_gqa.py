@@ -13,7 +13,6 @@ A trained multi-head model becomes a GQA model by mean pooling the key and value
 `generate_kvcache`, `prefill` and `decode_one_token` of gptlite_kvcache.py work with it as they are,
 with a dynamic cache or with a `StaticKVCache` of n_groups heads (`static_kv_cache`).
 """
-import torch
 import torch.nn as nn
 
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, StaticKVCache, \
@@ -25,20 +24,6 @@ def check_n_groups(n_heads, n_groups):
         divisors = [g for g in range(1, n_heads + 1) if n_heads % g == 0]
         raise ValueError(f"n_groups must divide n_heads={n_heads} (every group has as many query heads), "
                          f"got {n_groups!r}; choose one of {divisors}")
-
-
-def update_kv_cache(kv_cache, K, V, max_seqlen, layer):
-    """Append the new keys and values [B, G, T, D] to this layer's cache; return the cached ones [B, G, n, D].
-
-    kv_cache: None, this layer's (keys, values), or a StaticKVCache written in place (as in
-    MultiHeadAttention_KVCache.forward); a full window drops its oldest entries."""
-    if isinstance(kv_cache, StaticKVCache):
-        return kv_cache.update(layer, K, V)
-    if kv_cache is not None:
-        K, V = torch.cat([kv_cache[0], K], dim=2), torch.cat([kv_cache[1], V], dim=2)  # [B, G, S+T, D]
-    if max_seqlen is not None and K.shape[2] > max_seqlen:
-        K, V = K[:, :, -max_seqlen:], V[:, :, -max_seqlen:]
-    return K, V
 
 
 def check_cache_shape(got, expected, got_dtype, dtype):
@@ -56,22 +41,16 @@ class MultiHeadAttention_GQA(MultiHeadAttention_KVCache):
         self.key_proj = nn.Linear(d_model, n_groups * d_head)
         self.value_proj = nn.Linear(d_model, n_groups * d_head)
 
-    def forward(self, x, kv_cache=None, max_seqlen=None, layer=0):
-        """x: [B, T, d_model] new tokens; kv_cache as in MultiHeadAttention_KVCache, with n_groups heads.
-        Returns the output [B, T, d_model] and this layer's keys and values [B, G, n, D]."""
-        B, T, _ = x.shape
-        G, D = self.n_groups, self.d_head
-        Q = self.split_heads(self.query_proj(x))  # [B, H, T, D]
-        K = self.split_heads(self.key_proj(x))  # [B, G, T, D]: only the groups' keys are computed and cached
-        V = self.split_heads(self.value_proj(x))
-        K, V = update_kv_cache(kv_cache, K, V, max_seqlen, layer)  # [B, G, n, D]
+    def attention(self, Q, K, V):
+        """Queries [B, H, T, D] over the groups' keys and values [B, G, n, D], which is what the cache of
+        MultiHeadAttention_KVCache.forward holds here, since key_proj and value_proj have n_groups heads."""
+        B, H, T, D = Q.shape
+        G = self.n_groups
         # The heads of a group attend to the same keys: broadcast K and V over the group's heads
         # ([B, G, 1, n, D] against queries [B, G, H/G, T, D]) instead of copying them H/G times.
-        Q = Q.view(B, G, self.n_heads // G, T, D)
-        out = scaled_dot_product_attention_kv_cache(Q, K.unsqueeze(2), V.unsqueeze(2), causal_mask=True,
-                                                    dropout=self.dropout)  # [B, G, H/G, T, D]
-        out = out.view(B, self.n_heads, T, D)  # [B, H, T, D], heads in their original order
-        return self.dropout(self.out_proj(self.merge_heads(out))), (K, V)
+        out = scaled_dot_product_attention_kv_cache(Q.view(B, G, H // G, T, D), K.unsqueeze(2), V.unsqueeze(2),
+                                                    causal_mask=True, dropout=self.dropout)  # [B, G, H/G, T, D]
+        return out.view(B, H, T, D)  # heads in their original order
 
 
 class GPTlite_GQA(GPTlite_KVCache):
