@@ -1,0 +1,158 @@
+"""MLA: the full-rank conversion against the multi-head model, absorbed against recomputed keys and
+values, cached against uncached, the latent cache, clear errors; main_mla.py end to end on random weights."""
+import json
+
+import pytest
+import torch
+
+import inference_utils as iu
+import main_mla
+from conftest import TINY
+from gptlite_kvcache import StaticKVCache, generate_kvcache
+from gptlite_mla import GPTlite_MLA, convert_mha_to_mla, max_latent
+from test_gqa import greedy_without_cache, one_batch_validation, prefill_then_steps, random_tokens  # noqa: F401
+
+ATOL = 1e-5  # float32, the same weights computed two ways
+FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion (an SVD in float64, cast back) against MHA
+SEQLEN, H, D = TINY["seqlen"], TINY["n_heads"], TINY["d_head"]
+FULL = max_latent(H, D, TINY["d_model"])  # min(2 * 3 * 8, 32) = 32
+
+
+def converted(base, d_latent, absorb=True):
+    model = GPTlite_MLA(**TINY, d_latent=d_latent, absorb=absorb).eval()
+    model.load_state_dict(convert_mha_to_mla(base.state_dict(), H, D, d_latent))
+    return model
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_full_rank_conversion_reproduces_the_multi_head_model(tiny_models, absorb):
+    base, cached = tiny_models
+    mla = converted(base, FULL, absorb)
+    x = random_tokens(3, SEQLEN)
+    with torch.inference_mode():
+        reference = base(x)
+        torch.testing.assert_close(mla(x)[0], reference, atol=FULL_RANK_ATOL, rtol=0)
+        # a latent below the rank is a different model: the test can tell them apart
+        assert not torch.allclose(converted(base, FULL - 8, absorb)(x)[0], reference, atol=1e-2)
+        # past the window too, with the cache: the multi-head cached model's logits
+        long = random_tokens(2, 3 * SEQLEN, seed=4)
+        torch.testing.assert_close(prefill_then_steps(mla, long, 5)[0], prefill_then_steps(cached, long, 5)[0],
+                                   atol=FULL_RANK_ATOL, rtol=0)
+
+
+def test_conversion_is_the_best_low_rank_factorization_and_keeps_the_biases(tiny_models):
+    base, _ = tiny_models
+    state = base.state_dict()
+    W = torch.cat([state["blocks.0.mha.key_proj.weight"], state["blocks.0.mha.value_proj.weight"]]).double()
+    singular = torch.linalg.svdvals(W)
+    for d_latent in (4, 16, FULL):
+        mla = convert_mha_to_mla(state, H, D, d_latent)
+        up = torch.cat([mla["blocks.0.mha.key_up.weight"], mla["blocks.0.mha.value_up.weight"]]).double()
+        error = (up @ mla["blocks.0.mha.kv_down.weight"].double() - W).norm()
+        assert error == pytest.approx(singular[d_latent:].norm().item(), abs=1e-4)  # Eckart-Young
+        assert mla["blocks.0.mha.kv_down.weight"].shape == (d_latent, TINY["d_model"])
+        for kind in ("key", "value"):
+            assert torch.equal(mla[f"blocks.1.mha.{kind}_up.bias"], state[f"blocks.1.mha.{kind}_proj.bias"])
+        assert not any("key_proj" in name or "value_proj" in name for name in mla)
+
+
+@pytest.mark.parametrize("d_latent", [1, 12, FULL])
+def test_absorbed_equals_recomputed_keys_and_values(tiny_models, d_latent):
+    base, _ = tiny_models
+    absorbed, recomputed = converted(base, d_latent, absorb=True), converted(base, d_latent, absorb=False)
+    assert base.state_dict()["blocks.0.mha.key_proj.bias"].abs().min() > 0  # the key bias drops out only exactly
+    x = random_tokens(3, SEQLEN, seed=2)
+    with torch.inference_mode():
+        torch.testing.assert_close(absorbed(x)[0], recomputed(x)[0], atol=ATOL, rtol=0)
+        steps_absorbed, cache_absorbed = prefill_then_steps(absorbed, x, 6)
+        steps_recomputed, cache_recomputed = prefill_then_steps(recomputed, x, 6)
+    torch.testing.assert_close(steps_absorbed, steps_recomputed, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache_absorbed[0][0], cache_recomputed[0][0], atol=0, rtol=0)  # the same latents
+    assert absorbed.set_absorb(False) is absorbed and not absorbed.blocks[1].mha.absorb
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_cached_equals_uncached(tiny_models, absorb):
+    mla = converted(tiny_models[0], 12, absorb)
+    x = random_tokens(3, SEQLEN, seed=3)
+    with torch.inference_mode():
+        full = mla(x)[0]
+    torch.testing.assert_close(prefill_then_steps(mla, x, 5)[0], full, atol=ATOL, rtol=0)
+    chunks, cache = [], None  # several new tokens on top of a cache
+    for start, stop in [(0, 4), (4, 9), (9, SEQLEN)]:
+        logits, cache = mla(x[:, start:stop], kv_cache=cache)
+        chunks.append(logits)
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=0)
+    prompt, n_tokens = x[:, :5], SEQLEN - 5 + 1
+    assert torch.equal(generate_kvcache(mla, prompt, n_tokens, SEQLEN), greedy_without_cache(mla, prompt, n_tokens))
+
+
+def test_the_cache_is_one_latent_per_token(tiny_models):
+    base, cached = tiny_models
+    x = random_tokens(2, 10)
+    with torch.inference_mode():
+        _, cache = converted(base, 12)(x)
+        _, mha_cache = cached(x)
+        _, full_window = converted(base, 12)(random_tokens(2, 3 * SEQLEN))  # past the window: the last seqlen
+    assert len(cache) == TINY["n_layers"] and all(len(layer) == 1 for layer in cache)
+    assert all(layer[0].shape == (2, 1, 10, 12) for layer in cache)  # [B, 1, S, d_latent]
+    assert full_window[0][0].shape == (2, 1, SEQLEN, 12)
+    assert iu.kv_cache_bytes(cache) * 2 * H * D == iu.kv_cache_bytes(mha_cache) * 12
+    # at full rank: d_model = 32 values per token against 2 * 3 * 8 = 48 for the multi-head cache
+    with torch.inference_mode():
+        _, full_rank_cache = converted(base, FULL)(x)
+    assert iu.kv_cache_bytes(full_rank_cache) * 48 == iu.kv_cache_bytes(mha_cache) * 32
+
+
+def test_bad_latent_sizes_and_caches_are_clear_errors(tiny_models):
+    base, cached = tiny_models
+    for d_latent in (0, -1, FULL + 1, 2.5):
+        with pytest.raises(ValueError, match=r"d_latent must be an integer between 1 and the full rank.* = 32"):
+            convert_mha_to_mla(base.state_dict(), H, D, d_latent)
+        with pytest.raises(ValueError, match="d_latent must be"):
+            GPTlite_MLA(**TINY, d_latent=d_latent)
+    with pytest.raises(ValueError, match="not n_heads \\* d_head"):
+        convert_mha_to_mla(base.state_dict(), 4, D, 8)
+    mla, prompt = converted(base, 12), random_tokens(2, 4)
+    with pytest.raises(ValueError, match="not a StaticKVCache"):
+        generate_kvcache(mla, prompt, 3, SEQLEN, kv_cache=StaticKVCache.for_model(cached, 2))
+    _, mha_cache = cached(prompt)
+    with pytest.raises(ValueError, match="another model, batch or dtype"):
+        generate_kvcache(mla, prompt, 3, SEQLEN, kv_cache=mha_cache)
+    _, other_latent = converted(base, 8)(prompt)
+    with pytest.raises(ValueError, match="another model, batch or dtype"):
+        generate_kvcache(mla, prompt, 3, SEQLEN, kv_cache=other_latent)
+
+
+def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, one_batch_validation):
+    out_json, out_png = tmp_path / "mla.json", tmp_path / "mla.png"
+    main_mla.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+                   "--n-tokens", "4", "--repeats", "1", "--latents", "32", "128", "--json", str(out_json),
+                   "--plot", str(out_png)])
+    printed = capsys.readouterr().out
+    assert "meaningless" in printed and "NO" not in printed
+    result = json.loads(out_json.read_text())
+    assert result["script"] == "main_mla.py" and result["full_rank"] == 128 and all(result["checks"].values())
+    assert any("(full rank) = MHA" in name for name in result["checks"])
+    assert any("MLA-32 absorbed = recomputed" in name for name in result["checks"])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["MHA", "MLA-128 absorbed", "MLA-128 recomputed", "MLA-32 absorbed", "MLA-32 recomputed"]
+    p = iu.PRESETS["cpu"]
+    assert rows["MHA"]["cache_per_token"] == 2 * p.n_heads * p.d_head == 256
+    assert rows["MLA-128 absorbed"]["cache_per_token"] == 128 and rows["MLA-32 recomputed"]["kv_vs_mha"] == "0.125"
+    for r in rows.values():
+        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+        assert r["val_loss"] > 0 and r["loss_converted"] > 0
+    assert rows["MLA-128 absorbed"]["loss_converted"] == pytest.approx(rows["MHA"]["loss_converted"], abs=2e-4)
+    assert [(g["variant"], g["cache_per_token"]) for g in result["gqa_points"]] == [("GQA-2", 128), ("MQA", 64)]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags", [["--latents", "0"], ["--latents", "129"], ["--latents", "8", "8"],
+                                   ["--uptrain-steps", "0"], ["--n-tokens", "1"], ["--plot", "m.txt"], ["--bogus"]])
+def test_main_mla_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_mla.main(["--untrained", "--device", "cpu"] + flags)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
