@@ -78,23 +78,30 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device):
         "paged, whole prompts": engine(None),
         f"paged, chunked prefill {args.chunk_size}": engine(args.chunk_size),
     }
-    results = {}
-    for name, serve in variants.items():
+    for serve in variants.values():
         serve(requests[:2], serving.ServingClock.offline(requests[:2], device))  # warm-up
-        clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
-        outputs, extra = serve(requests, clock)
-        results[name] = outputs, clock, extra
+    results = {name: [] for name in variants}
+    for _ in range(args.repeats):  # round-robin: a slow moment of the machine falls on every variant alike
+        for name, serve in variants.items():
+            clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
+            outputs, extra = serve(requests, clock)
+            results[name].append((outputs, serving.latency_figures(clock) | extra))
     return results
 
 
 def make_rows(results, reference, val_loss):
+    """A row per variant: the median of each figure over the repeats; `same` only if every run matched."""
     rows = []
-    for name, (outputs, clock, extra) in results.items():
-        figures = serving.latency_figures(clock)
-        rows.append(iu.make_row(name, val_loss=val_loss, kv_cache_mb=extra.get("kv_cache_mb"),
+    for name, runs in results.items():
+        figures = serving.median_figures([f for _, f in runs])
+        same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
+        rows.append(iu.make_row(name, val_loss=val_loss, kv_cache_mb=figures.pop("kv_cache_mb", None),
                                 steps=figures.pop("steps"), wasted=figures.pop("wasted_slot_steps"),
-                                **figures, kv_util=extra.get("kv_util"), kv_util_contig=extra.get("kv_util_contiguous"),
-                                preempted=extra.get("preemptions"), same=serving.same_outputs(outputs, reference)))
+                                **{k: figures.pop(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s",
+                                                               "ttft_p99_ms", "tpot_p99_ms")},
+                                kv_util=figures.get("kv_util"), kv_util_contig=figures.get("kv_util_contiguous"),
+                                preempted=figures.get("preemptions"),
+                                same=next((s for s in same if s != "yes"), "yes")))
     for row in rows:
         for key in ("ttft_p99_ms", "tpot_p99_ms"):
             row[key] = round(row[key], 2)
@@ -159,8 +166,8 @@ def main(argv=None):
           f"prompt lengths p50/p99/max {np.percentile(prompt_lens, 50):.0f}/{np.percentile(prompt_lens, 99):.0f}/"
           f"{max(prompt_lens)}, output lengths {np.percentile(output_lens, 50):.0f}/{np.percentile(output_lens, 99):.0f}/"
           f"{max(output_lens)}; batch size {args.batch_size}, KV blocks of {args.block_size} tokens")
-    print("TTFT/TPOT ms: p50 over requests, from arrival (p99 in the extra columns); tok/s: new tokens per second of "
-          "steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved (paged pool), "
+    print(f"median of {args.repeats} runs per variant, round-robin. TTFT/TPOT ms: p50 over requests, from arrival "
+          "(p99 in the extra columns); tok/s: new tokens per second of steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved (paged pool), "
           "kv_util_contig: the same against seqlen slots reserved per running sequence")
     iu.print_table(rows, untrained=args.untrained)
     tput = {r["variant"]: r["tokens_per_s"] for r in rows}

@@ -75,7 +75,7 @@ def static_batching(model, requests, batch_size, seqlen, clock=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
-    serving.add_trace_args(parser, n_requests=64)
+    serving.add_trace_args(parser, n_requests=64)  # offline: every request at time 0
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
                         help="requests per static batch, a row each")
     args = parser.parse_args(argv)
@@ -96,15 +96,20 @@ def main(argv=None):
     val_loss = iu.validation_loss(base, data)
 
     static_batching(base, requests[:2], 2, seqlen)  # warm-up
-    rows = []
-    for batch_size in args.batch_sizes:
-        clock = serving.ServingClock.offline(requests, device)
-        outputs, _ = static_batching(base, requests, batch_size, seqlen, clock)
-        rows.append(iu.make_row(f"static batching, batch {batch_size}", val_loss=val_loss,
-                                **serving.latency_figures(clock), same=serving.same_outputs(outputs, reference)))
+    runs = {batch_size: [] for batch_size in args.batch_sizes}
+    for _ in range(args.repeats):  # round-robin over the batch sizes
+        for batch_size in args.batch_sizes:
+            clock = serving.ServingClock.offline(requests, device)
+            outputs, _ = static_batching(base, requests, batch_size, seqlen, clock)
+            runs[batch_size].append((serving.latency_figures(clock), serving.same_outputs(outputs, reference)))
+    rows = [iu.make_row(f"static batching, batch {batch_size}", val_loss=val_loss,
+                        **serving.median_figures([figures for figures, _ in batch_runs]),
+                        same=next((same for _, same in batch_runs if same != "yes"), "yes"))
+            for batch_size, batch_runs in runs.items()]
     n_new = sum(n for _, n in requests)
     print(f"\n{len(requests)} requests at time 0, {n_new} new tokens in all, no KV cache (the post's next_tokens); "
-          f"TTFT/TPOT: p50 (and p99) over requests, from arrival; tok/s: new tokens per second of steps")
+          f"TTFT/TPOT: p50 (and p99) over requests, from arrival; tok/s: new tokens per second of steps; "
+          f"median of {args.repeats} runs")
     iu.print_table(rows, untrained=args.untrained)
     if args.plot:
         fig, ax = iu.new_figure()

@@ -13,6 +13,7 @@ times. Each new token is stamped with the clock at the end of the step that prod
 TTFT = first token - arrival, TPOT = (last token - first token) / (n_tokens - 1). Throughput counts
 the generated tokens over the busy time (the sum of the step times; waiting is not work).
 """
+import statistics
 from contextlib import contextmanager
 
 import numpy as np
@@ -123,6 +124,11 @@ def latency_figures(clock):
                 steps=clock.n_steps, wasted_slot_steps=max(clock.slot_steps - n_generated, 0))
 
 
+def median_figures(runs):
+    """The median of each figure over several runs of the same trace (a list of dicts of numbers)."""
+    return {key: statistics.median_low([run[key] for run in runs]) for key in runs[0]}
+
+
 def reference_outputs(cached_model, requests, seqlen):
     """Each request generated alone with generate_kvcache (greedy): what every scheduler must return."""
     return [generate_kvcache(cached_model, prompt[None], n, seqlen)[0] for prompt, n in requests]
@@ -134,18 +140,24 @@ def same_outputs(outputs, reference):
     return "yes" if wrong == 0 and len(outputs) == len(reference) else f"NO ({wrong} differ)"
 
 
-def add_trace_args(parser, n_requests=64, rate=float("inf")):
+def add_trace_args(parser, n_requests=64, rate=None):
+    """The trace's flags; rate=None: an offline trace, every request at time 0 (no --rate flag)."""
     parser.add_argument("--n-requests", type=int, default=n_requests, help="requests in the trace")
-    parser.add_argument("--rate", type=float, default=rate,
-                        help="Poisson arrival rate, requests per second (inf: every request at time 0)")
+    if rate is not None:
+        parser.add_argument("--rate", type=float, default=rate,
+                            help="Poisson arrival rate, requests per second (inf: every request at time 0)")
     parser.add_argument("--prompt-median", type=int, default=32, help="median prompt length (log-normal)")
     parser.add_argument("--output-median", type=int, default=16, help="median output length (log-normal, long tail)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of the trace per variant, round-robin, after a warm-up; each figure is the median")
 
 
 def check_trace_args(args, parser, seqlen):
     if args.n_requests < 1:
         parser.error(f"--n-requests must be at least 1, got {args.n_requests}")
-    if not args.rate > 0:
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if not getattr(args, "rate", 1) > 0:
         parser.error(f"--rate must be above 0 requests per second, got {args.rate}")
     for flag, value in [("--prompt-median", args.prompt_median), ("--output-median", args.output_median)]:
         if not 1 <= value < seqlen:

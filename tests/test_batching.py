@@ -145,7 +145,7 @@ TINY_TRACE = ["--untrained", "--preset", "cpu", "--device", "cpu", "--n-requests
 
 def test_main_static_batching_end_to_end(real_data, tmp_path, capsys):
     out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
-    main_static_batching.main(TINY_TRACE + ["--batch-sizes", "1", "3", "--json", str(out_json), "--plot", str(out_png)])
+    main_static_batching.main(TINY_TRACE + ["--repeats", "2", "--batch-sizes", "1", "3", "--json", str(out_json), "--plot", str(out_png)])
     assert "static batching, batch 3" in capsys.readouterr().out
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["same"] for r in rows] == ["yes", "yes"]
@@ -156,7 +156,7 @@ def test_main_static_batching_end_to_end(real_data, tmp_path, capsys):
 
 def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
     out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
-    main_continuous_batching.main(TINY_TRACE + ["--batch-size", "2", "--chunk-size", "3", "--n-blocks", "40",
+    main_continuous_batching.main(TINY_TRACE + ["--repeats", "1", "--batch-size", "2", "--chunk-size", "3", "--n-blocks", "40",
                                                 "--plot-batch-sizes", "1", "3", "--json", str(out_json),
                                                 "--plot", str(out_png)])
     assert "continuous / static throughput" in capsys.readouterr().out
@@ -173,7 +173,8 @@ def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
 
 @pytest.mark.parametrize("script, flags", [
     (main_static_batching, ["--batch-sizes", "0"]), (main_static_batching, ["--batch-sizes", "2", "2"]),
-    (main_static_batching, ["--n-requests", "0"]), (main_static_batching, ["--rate", "0"]),
+    (main_static_batching, ["--n-requests", "0"]), (main_static_batching, ["--rate", "5"]),
+    (main_static_batching, ["--repeats", "0"]), (main_continuous_batching, ["--rate", "0"]),
     (main_continuous_batching, ["--batch-size", "0"]), (main_continuous_batching, ["--block-size", "0"]),
     (main_continuous_batching, ["--chunk-size", "0"]), (main_continuous_batching, ["--n-blocks", "0"]),
     (main_continuous_batching, ["--n-blocks", "15"]), (main_continuous_batching, ["--block-size", "129"]),
