@@ -160,8 +160,9 @@ def logits_with_zeroed(model, keep_heads, keep_neurons, x):
 
 def check_args(args, parser, preset):
     check_run_args(args, parser, preset)
-    for flag, value in [("--calib-batches", args.calib_batches), ("--random-draws", args.random_draws)]:
-        if value < 1:
+    for flag, value in [("--calib-batches", args.calib_batches), ("--random-draws", args.random_draws),
+                        ("--batch-size", args.batch_size)]:
+        if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if not 0 < args.keep < 1:
         parser.error(f"--keep (fraction of heads and neurons kept) must be between 0 and 1, got {args.keep}")
@@ -187,6 +188,7 @@ def main(argv=None):
                         help="fraction of the original heads and neurons removed per iterative step")
     parser.add_argument("--alpha", type=float, default=0.0, help="weight of the hard labels in the distillation loss")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate of the distillation (default: the preset's)")
+    parser.add_argument("--batch-size", type=int, default=None, help="distillation and calibration batch (default: the preset's)")
     parser.add_argument("--calib-batches", type=int, default=8, help="calibration batches of the importance scores")
     parser.add_argument("--random-draws", type=int, default=5, help="random prunings compared with pruning by importance")
     add_run_args(parser, "best pruned model")
@@ -196,17 +198,17 @@ def main(argv=None):
     teacher = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     teacher.requires_grad_(False)
     iters = args.iters or DEFAULT_ITERS.get(preset.name, 2000)
-    lr = args.lr or preset.lr
+    lr, batch_size = args.lr or preset.lr, args.batch_size or preset.batch_size
     H, d_ff = preset.n_heads, 4 * preset.d_model
     n_heads, n_neurons = max(round(args.keep * H), 1), max(round(args.keep * d_ff), 1)
     loss_fn = distillation_loss_fn(teacher, args.temperature, args.alpha)
-    importance = lambda model: compute_importance(model, data, args.calib_batches, preset.batch_size,  # noqa: E731
+    importance = lambda model: compute_importance(model, data, args.calib_batches, batch_size,  # noqa: E731
                                                   preset.seqlen, seed=args.seed)
     print(f"pruning every block from {H} heads and {d_ff} neurons to {n_heads} and {n_neurons}; "
-          f"{iters} distillation steps per variant, lr {lr}, T={args.temperature}, alpha={args.alpha}")
+          f"{iters} distillation steps of batch {batch_size} per variant, lr {lr}, T={args.temperature}, alpha={args.alpha}")
 
     def distill(model, n_steps, desc):
-        return iu.train_steps(model, data, n_steps, preset.batch_size, preset.seqlen, lr, seed=args.seed,
+        return iu.train_steps(model, data, n_steps, batch_size, preset.seqlen, lr, seed=args.seed,
                               loss_fn=loss_fn, desc=desc)
 
     # (1) one shot, checked against the original with the removed heads and neurons zeroed

@@ -79,7 +79,14 @@ def test_student_of_gptlite_is_the_distilled_preset_and_the_cpu_student_is_small
     assert (student.seqlen, student.vocab_size, student.batch_size) == (cpu.seqlen, cpu.vocab_size, cpu.batch_size)
 
 
-def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(real_data, tmp_path, capsys):
+def quick_validation_loss(model, data, n_batches=20, batch_size=32, seqlen=None, seed=1234,
+                          _validation_loss=iu.validation_loss):
+    """validation_loss on 2 batches of 8 for the scripts' end-to-end tests (train_steps calls it too)."""
+    return _validation_loss(model, data, n_batches=2, batch_size=8, seqlen=seqlen, seed=seed)
+
+
+def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(real_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)  # tiny settings: 2 batches of 8
     out_json, out_png, out_ckpt = tmp_path / "d.json", tmp_path / "d.png", tmp_path / "student.pt"
     main_distillation.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "2", "--prompt-len", "8",
                             "--n-tokens", "4", "--repeats", "1", "--batch-size", "4", "--save", str(out_ckpt),

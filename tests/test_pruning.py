@@ -12,6 +12,7 @@ from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from main_pruning import compute_importance, logits_with_zeroed, model_config, prune, prune_linear, top_indices
+from test_distillation import quick_validation_loss
 
 D_FF = 4 * TINY["d_model"]
 
@@ -149,9 +150,10 @@ def test_keeping_more_than_exist_or_none_is_a_clear_error(tiny_models, n_heads, 
         compute_importance(base, fake_data(), 1, 1, TINY["seqlen"] + 1)
 
 
-def test_main_pruning_end_to_end(real_data, tmp_path, capsys):
+def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)  # tiny settings: 2 batches of 8
     out_json, out_png, out_ckpt = tmp_path / "p.json", tmp_path / "p.png", tmp_path / "pruned.pt"
-    main_pruning.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "5", "--calib-batches", "1",
+    main_pruning.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "5", "--batch-size", "4", "--calib-batches", "1",
                        "--random-draws", "2", "--prompt-len", "8", "--n-tokens", "4", "--repeats", "1",
                        "--save", str(out_ckpt), "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
@@ -177,7 +179,7 @@ def test_main_pruning_end_to_end(real_data, tmp_path, capsys):
 
 @pytest.mark.parametrize("flags", [["--keep", "0"], ["--keep", "1"], ["--step", "0"], ["--step", "0.6"],
                                    ["--iters", "4"], ["--temperature", "0"], ["--alpha", "2"], ["--calib-batches", "0"],
-                                   ["--random-draws", "0"], ["--n-tokens", "1"], ["--save", "/no/such/folder/p.pt"]])
+                                   ["--random-draws", "0"], ["--batch-size", "0"], ["--n-tokens", "1"], ["--save", "/no/such/folder/p.pt"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
