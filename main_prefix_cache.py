@@ -22,7 +22,6 @@ checks that the store falls back to plain generation, counted and said.
 """
 import argparse
 
-import numpy as np
 import torch
 
 import inference_utils as iu
