@@ -22,6 +22,7 @@ checks that the store falls back to plain generation, counted and said.
 """
 import argparse
 
+import numpy as np
 import torch
 
 import inference_utils as iu
@@ -144,28 +145,33 @@ def multi_turn_workload(model, messages, args, ctx):
     return rows, store.stats()
 
 
-def ttft_sweep(model, prefix, request, args, ctx):
-    """TTFT (batch 1) against the shared prefix length, with and without the post's prefix cache.
-    prefix: [1, seqlen - R], cut to each length."""
+def ttft_sweep(model, prefix, requests, args, ctx):
+    """TTFT against the shared prefix length, with and without the post's prefix cache, at each batch
+    size. prefix: [1, seqlen - R], cut to each length; requests: [max batch, R]."""
     lengths = sorted(set(range(16, prefix.shape[1] + 1, 16)) | {args.prefix_len, prefix.shape[1]})
-    curves = {"no prefix cache": [], "prefix cache (post)": []}
-    for p in lengths:
-        cache, full = compute_prefix_cache(model, prefix[:, :p]), torch.cat([prefix[:, :p], request], dim=1)
-        fns = {"no prefix cache": lambda n: generate_kvcache(model, full, n, ctx["seqlen"]),
-               "prefix cache (post)": lambda n: generate_kvcache(model, request, n, ctx["seqlen"], kv_cache=cache)}
-        timings = iu.compare_generation(fns, 2, 1, ctx["device"], repeats=args.repeats)
-        for name in curves:
-            curves[name].append(timings[name]["ttft_ms"])
-    return {"prefix_len": lengths, **curves}
+    sweep = {}
+    for batch_size in args.batch_sizes:
+        request, curves = requests[:batch_size], {"no prefix cache": [], "prefix cache (post)": []}
+        for p in lengths:
+            shared = prefix[:, :p].expand(batch_size, -1)  # [B, p]
+            cache, full = compute_prefix_cache(model, shared), torch.cat([shared, request], dim=1)
+            fns = {"no prefix cache": lambda n: generate_kvcache(model, full, n, ctx["seqlen"]),
+                   "prefix cache (post)": lambda n: generate_kvcache(model, request, n, ctx["seqlen"], kv_cache=cache)}
+            timings = iu.compare_generation(fns, 2, batch_size, ctx["device"], repeats=args.repeats)
+            for name in curves:
+                curves[name].append(timings[name]["ttft_ms"])
+        sweep[batch_size] = {"prefix_len": lengths, **curves}
+    return sweep
 
 
 def plot_sweep(sweep, path, args, preset, device):
-    fig, ax = iu.new_figure()
-    for name in ("no prefix cache", "prefix cache (post)"):
-        ax.plot(sweep["prefix_len"], sweep[name], marker="o", label=name)
-    ax.set(xlabel="shared prefix length (tokens)", ylabel="TTFT (ms)", ylim=(0, None),
-           title=f"prefix + {args.request_len}-token request, batch 1 (preset {preset.name}, {device})")
-    ax.legend()
+    fig, axes = iu.new_figure(len(sweep))
+    for ax, (batch_size, curves) in zip(np.atleast_1d(axes), sweep.items()):
+        for name in ("no prefix cache", "prefix cache (post)"):
+            ax.plot(curves["prefix_len"], curves[name], marker="o", label=name)
+        ax.set(xlabel="shared prefix length (tokens)", ylabel="TTFT (ms)", ylim=(0, None),
+               title=f"prefix + {args.request_len}-token request, batch {batch_size} ({preset.name}, {device})")
+        ax.legend()
     iu.save_plot(fig, path)
 
 
@@ -184,7 +190,7 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block of the PrefixCache store")
     parser.add_argument("--capacity-tokens", type=int, default=4096,
                         help="tokens the store holds before evicting least recently used blocks")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
     preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
 
@@ -218,7 +224,7 @@ def main(argv=None):
     sweep = None
     if args.plot:
         longest = iu.sample_prompts(data, 1, preset.seqlen - args.request_len, seed=args.seed, device=device)
-        sweep = ttft_sweep(model, longest, texts[:1], args, ctx)
+        sweep = ttft_sweep(model, longest, texts, args, ctx)
         plot_sweep(sweep, args.plot, args, preset, device)
     if args.json:
         iu.save_json(args.json, "main_prefix_cache.py", preset, device, rows, untrained=args.untrained,

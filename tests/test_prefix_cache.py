@@ -229,7 +229,7 @@ def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_pa
     assert result["multi_turn_stats"]["hit_tokens"] == 16 and result["system_prompt_stats"]["hit_tokens"] == 32
     assert all(r["kv_cache_mb"] is None for r in rows if r["variant"] == "no prefix cache")
     assert all(r["ttft_ms"] > 0 and r["peak_mem_mb"] > 0 for r in rows)
-    assert result["ttft_sweep"]["prefix_len"][-1] == 120
+    assert set(result["ttft_sweep"]) == {"1", "2"} and result["ttft_sweep"]["2"]["prefix_len"][-1] == 120
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
