@@ -122,7 +122,8 @@ class PrefixCache:
         self.block_size = block_size
         self.capacity_blocks = capacity_tokens // block_size
         self.blocks = OrderedDict()  # key -> Block, least recently used first
-        self.counts = dict(requests=0, prompt_tokens=0, hit_tokens=0, evictions=0, not_stored=0, fallbacks=0)
+        self.counts = dict(requests=0, lookups=0, prompt_tokens=0, hit_tokens=0, evictions=0, not_stored=0,
+                           fallbacks=0)
 
     # -- bookkeeping --------------------------------------------------------------------------------
     def __len__(self):  # blocks held
@@ -137,7 +138,8 @@ class PrefixCache:
         return sum(block.nbytes for block in self.blocks.values())
 
     def stats(self):
-        """Counters since creation: requests, prompt and hit tokens, hit rate, evictions, bytes."""
+        """Counters since creation: requests, lookups (requests without fallback), prompt and hit tokens,
+        hit rate (hit / prompt tokens), evictions, blocks not stored for lack of room, bytes."""
         c = self.counts
         return dict(c, hit_rate=c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
                     blocks=len(self.blocks), cached_tokens=self.n_tokens, cache_bytes=self.nbytes)
@@ -242,6 +244,7 @@ class PrefixCache:
             self.counts["requests"] += 1
             self.counts["prompt_tokens"] += len(tokens)
             self.counts["fallbacks"] += fallback
+            self.counts["lookups"] += not fallback
         if fallback:
             return Generated(generate_kvcache(self.model, prompt, n_tokens, seqlen), len(tokens), 0, True)
 

@@ -95,7 +95,7 @@ def test_multi_turn_conversation_prefills_only_the_new_message(tiny_models):
     # turn 2 prompt: 3 + 4 + 3 = 10 tokens; the store holds turn 1's prompt and answer but its last
     # token (6 tokens: 1 block); turn 3 prompt: 17 > 16 tokens, the window is kept: fallback
     assert hits == [0, BS, 0]
-    assert store.stats()["fallbacks"] == 1
+    assert store.stats()["fallbacks"] == 1 and store.stats()["requests"] == 3 and store.stats()["lookups"] == 2
 
 
 def test_generated_tokens_are_stored_and_hit_on_the_next_turn(tiny_models):
