@@ -115,7 +115,10 @@ def main(argv=None):
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     val_loss = iu.validation_loss(model, data)
     with iu.Timer() as load_time:
-        embed = sc.sentence_transformer_embedder(args.encoder, device=str(device))
+        try:
+            embed = sc.sentence_transformer_embedder(args.encoder, device=str(device))
+        except ValueError as e:
+            raise iu.GPTliteError(str(e)) from None
 
     def prompt_of(query):  # characters outside tiny Shakespeare's vocabulary become spaces
         text = "".join(c if c in data.vocab else " " for c in query)[-preset.seqlen:]

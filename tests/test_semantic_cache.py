@@ -281,3 +281,13 @@ def test_bad_pair_files_are_clear_errors(text, tmp_path):
     path.write_text(text)
     with pytest.raises(iu.GPTliteError, match="pairs.tsv"):
         main_semantic_cache.load_pairs(path)
+
+
+def test_an_encoder_that_cannot_be_loaded_is_one_clear_line(real_data, monkeypatch):
+    def missing(name, device):
+        raise ValueError(f"could not load the sentence encoder {name!r}")
+    monkeypatch.setattr(sc, "sentence_transformer_embedder", missing)
+    monkeypatch.setattr(iu, "validation_loss", lambda model, data: 4.2)
+    with pytest.raises(SystemExit) as e:
+        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--encoder", "no/such-model"]))
+    assert str(e.value.code) == "error: could not load the sentence encoder 'no/such-model'"
