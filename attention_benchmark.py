@@ -40,7 +40,8 @@ def sliding_window_mask(n, window, device="cpu"):
 
 def naive_sliding_window(Q, K, V, window):
     """The reference for FlexAttention: the explicit scores matrix with the sliding-window mask."""
-    return scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=sliding_window_mask(Q.shape[-2], window, Q.device))
+    mask = sliding_window_mask(Q.shape[-2], window, Q.device)  # [n, n]
+    return scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=mask)
 
 
 class FlexSlidingWindow:
@@ -79,7 +80,8 @@ def make_flex(window, device, compiled=True, check_len=None):
         with torch.inference_mode():
             diff = (flex(Q, K, V) - naive_sliding_window(Q, K, V, window)).abs().max().item()
     except Exception as e:  # torch.compile fails in many ways (no C++ compiler, no Triton, ...)
-        return None, None, f"flex attention does not run on {device} here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return None, None, f"flex attention does not run on {device} here: {reason}"
     return flex, diff, None
 
 

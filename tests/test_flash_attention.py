@@ -4,6 +4,7 @@ mask against naive attention with the same mask, the long-context benchmark's me
 main_flash_attention.py end to end."""
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -159,8 +160,8 @@ def test_naive_memory_grows_with_n_squared_and_sdpa_stays_far_below():
 def test_main_flash_attention_end_to_end(real_data, tmp_path, capsys):
     out_json, out_png = tmp_path / "fa.json", tmp_path / "fa.png"
     mfa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--prompt-len", "8", "--n-tokens", "4",
-              "--batch-size", "2", "--repeats", "1", "--val-batches", "2", "--contexts", "64", "256", "--window", "32",
-              "--json", str(out_json), "--plot", str(out_png)])
+              "--batch-size", "2", "--repeats", "1", "--val-batches", "2", "--contexts", "64", "256",
+              "--bench-repeats", "1", "--window", "32", "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert "meaningless" in printed and "naive/SDPA memory" in printed
     result = json.loads(out_json.read_text())
@@ -175,15 +176,21 @@ def test_main_flash_attention_end_to_end(real_data, tmp_path, capsys):
     assert all(r["val_loss"] == pytest.approx(rows["naive"]["val_loss"], abs=1e-4) for r in ran)
     assert all(r["kv_cache_mb"] == rows["naive"]["kv_cache_mb"] > 0 for r in ran)
     bench = result["long_context"]
-    assert list(bench) == ["naive", "SDPA", "flex window 32"] and bench["naive"]["context"] == [64, 256]
-    assert result["flex_note"] is None and result["flex_max_diff"] < ATOL  # the compiled flex kernel
+    assert bench["naive"]["context"] == [64, 256]
+    if shutil.which("g++") or shutil.which("clang++"):  # torch.compile can build the CPU kernel
+        assert result["flex_note"] is None
+    if result["flex_note"] is None:  # the compiled flex kernel ran, checked against naive attention
+        assert list(bench) == ["naive", "SDPA", "flex window 32"] and result["flex_max_diff"] < ATOL
+    else:  # no compiler: said, and left out of the benchmark
+        assert "does not run" in result["flex_note"] and list(bench) == ["naive", "SDPA"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("flags", [["--n-tokens", "1"], ["--prompt-len", "0"], ["--prompt-len", "129"],
-                                   ["--batch-size", "0"], ["--repeats", "0"], ["--val-batches", "0"], ["--contexts", "256", "128"],
-                                   ["--contexts", "128", "128"], ["--contexts", "0", "8"], ["--window", "0"],
-                                   ["--bench-batch", "0"], ["--plot", "out.txt"], ["--bogus"], ["--device", "tpu"]])
+                                   ["--batch-size", "0"], ["--repeats", "0"], ["--val-batches", "0"],
+                                   ["--contexts", "256", "128"], ["--contexts", "128", "128"], ["--contexts", "0", "8"],
+                                   ["--window", "0"], ["--bench-batch", "0"], ["--bench-repeats", "0"],
+                                   ["--plot", "out.txt"], ["--bogus"], ["--device", "tpu"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
