@@ -181,13 +181,6 @@ def main(argv=None):
     print(f"MHA conversion (n_groups = n_heads) equals the multi-head model: "
           f"{'yes, logits and tokens' if checks['MHA conversion exact'] else 'NO'}")
 
-    if save_path is not None:
-        saved = models[variant_name(save_groups, preset.n_heads)]
-        row = next(r for r in rows if r["n_groups"] == save_groups)
-        iu.save_checkpoint(save_path, saved, {**preset.model_config(), "n_groups": save_groups}, data.vocab,
-                           preset=preset.name, converted_from="mha", uptrain_steps=steps,
-                           val_loss=row["val_loss"], untrained=args.untrained)
-        print(f"saved {save_path} ({row['variant']}, uptrained)")
     if args.plot:
         plot_results(rows, args.plot, preset, device)
     if args.json:
@@ -196,7 +189,14 @@ def main(argv=None):
                      saved=str(save_path) if save_path else None)
     failures = [name for name, ok in checks.items() if not ok]
     if failures:
-        raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug")
+        raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug (nothing saved)")
+    if save_path is not None:
+        saved = models[variant_name(save_groups, preset.n_heads)]
+        row = next(r for r in rows if r["n_groups"] == save_groups)
+        iu.save_checkpoint(save_path, saved, {**preset.model_config(), "n_groups": save_groups}, data.vocab,
+                           preset=preset.name, converted_from="mha", uptrain_steps=steps,
+                           val_loss=row["val_loss"], untrained=args.untrained)
+        print(f"saved {save_path} ({row['variant']}, uptrained)")
 
 
 if __name__ == "__main__":
