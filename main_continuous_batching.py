@@ -103,10 +103,8 @@ def make_rows(results, reference, val_loss):
                                 preempted=figures.get("preemptions"),
                                 same=next((s for s in same if s != "yes"), "yes")))
     for row in rows:
-        for key in ("ttft_p99_ms", "tpot_p99_ms"):
-            row[key] = round(row[key], 2)
         for key in ("kv_util", "kv_util_contig"):
-            row[key] = None if row[key] is None else f"{row[key]:.1%}"
+            row[key] = None if row[key] is None else round(row[key], 3)
     return rows
 
 
@@ -167,30 +165,32 @@ def main(argv=None):
           f"{max(prompt_lens)}, output lengths {np.percentile(output_lens, 50):.0f}/{np.percentile(output_lens, 99):.0f}/"
           f"{max(output_lens)}; batch size {args.batch_size}, KV blocks of {args.block_size} tokens")
     print(f"median of {args.repeats} runs per variant, round-robin. TTFT/TPOT ms: p50 over requests, from arrival "
-          "(p99 in the extra columns); tok/s: new tokens per second of steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved (paged pool), "
-          "kv_util_contig: the same against seqlen slots reserved per running sequence")
+          "(p99 in the extra columns); tok/s: new tokens per second of steps; wasted: batch rows whose token was "
+          "dropped; kv_util: tokens held / slots reserved, summed over steps (paged pool: allocated blocks); "
+          "kv_util_contig: the same against seqlen slots per running sequence")
     iu.print_table(rows, untrained=args.untrained)
     tput = {r["variant"]: r["tokens_per_s"] for r in rows}
     tpot99 = [r["tpot_p99_ms"] for r in rows]
     print(f"continuous / static throughput: {tput['continuous batching'] / tput['static batching']:.2f}x; "
           f"p99 TPOT whole prompts {tpot99[2]:.2f} ms, chunked prefill {tpot99[3]:.2f} ms")
 
-    sweep = None
+    sweep, checked = None, list(rows)
     if args.plot:
         sweep = {"batch_sizes": sorted(args.plot_batch_sizes), "variants": {}}
         for batch_size in sweep["batch_sizes"]:
             for row in make_rows(run_variants(base, requests, arrivals, batch_size, args, seqlen, device),
                                  reference, val_loss):
+                checked.append(row)
                 points = sweep["variants"].setdefault(row["variant"], {"tokens_per_s": [], "tpot_p99_ms": []})
                 points["tokens_per_s"].append(row["tokens_per_s"])
                 points["tpot_p99_ms"].append(row["tpot_p99_ms"])
         plot_sweep(sweep, args.plot, preset, device, args.rate)
     if args.json:
         iu.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
-                     trace={"n_requests": len(requests), "rate": args.rate, "arrivals": arrivals,
-                            "prompt_lens": prompt_lens, "output_lens": output_lens},
+                     trace={"n_requests": len(requests), "rate": args.rate if np.isfinite(args.rate) else "inf",
+                            "arrivals": arrivals, "prompt_lens": prompt_lens, "output_lens": output_lens},
                      batch_size=args.batch_size, block_size=args.block_size, sweep=sweep)
-    failures = [r["variant"] for r in rows if r["same"] != "yes"]
+    failures = sorted({r["variant"] for r in checked if r["same"] != "yes"})
     if failures:
         raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
 

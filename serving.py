@@ -58,7 +58,7 @@ def make_trace(source, n_requests, rate, seqlen, prompt_median, output_median, s
         raise ValueError(f"a trace needs n_requests >= 1, rate > 0 and medians in [1, {seqlen}), got "
                          f"{n_requests}, {rate}, {prompt_median}, {output_median}")
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1 / rate, n_requests) if np.isfinite(rate) else np.zeros(n_requests)
+    gaps = rng.exponential(1.0, n_requests) / rate  # rate inf: all at 0, and the same lengths as any rate
     arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at time 0
     prompt_lens = np.clip(np.rint(rng.lognormal(np.log(prompt_median), sigma_prompt, n_requests)), 1, seqlen - 1)
     output_lens = np.rint(rng.lognormal(np.log(output_median), sigma_output, n_requests))
@@ -120,7 +120,7 @@ def latency_figures(clock):
     n_generated = sum(clock.n_tokens)
     return dict(ttft_ms=float(np.percentile(ttft, 50)), tpot_ms=float(np.percentile(tpot, 50)),
                 tokens_per_s=n_generated / clock.busy if clock.busy > 0 else None,
-                ttft_p99_ms=float(np.percentile(ttft, 99)), tpot_p99_ms=float(np.percentile(tpot, 99)),
+                ttft_p99_ms=round(float(np.percentile(ttft, 99)), 2), tpot_p99_ms=round(float(np.percentile(tpot, 99)), 2),
                 steps=clock.n_steps, wasted_slot_steps=max(clock.slot_steps - n_generated, 0))
 
 
