@@ -139,7 +139,8 @@ def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, va
                 same = torch.equal(generate_kvcache(model, prompts, n_tokens, seqlen), ref_tokens)  # no mask needed
                 kernel = sdpa_kernels_run(lambda: model(x))
             except RuntimeError:
-                rows[name] = iu.make_row(name, kernel=f"cannot run on {device.type}")
+                dtype = str(naive.fc_out.weight.dtype).removeprefix("torch.")  # CUDA's flash takes no float32
+                rows[name] = iu.make_row(name, kernel=f"cannot run on {device.type} in {dtype}")
                 continue
             try:  # some kernels take no explicit mask (CUDA's flash): generation never needs one, chunks do
                 diff = max(diff, (chunked_logits(model) - ref_chunked).abs().max().item())

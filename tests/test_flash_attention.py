@@ -170,7 +170,7 @@ def test_main_flash_attention_end_to_end(real_data, tmp_path, capsys):
     assert rows["naive"]["kernel"] == "none"
     assert rows["SDPA (default dispatch)"]["kernel"] == "flash_attention_for_cpu"
     assert rows["SDPA forced MATH"]["kernel"] == "attention_math"
-    assert rows["SDPA forced EFFICIENT_ATTENTION"]["kernel"] == "cannot run on cpu"
+    assert rows["SDPA forced EFFICIENT_ATTENTION"]["kernel"] == "cannot run on cpu in float32"
     ran = [r for r in rows.values() if r["ttft_ms"] is not None]
     assert len(ran) == 4 and all(r["ok"] == "yes" and r["same_tokens"] == "yes" for r in ran)
     assert all(r["val_loss"] == pytest.approx(rows["naive"]["val_loss"], abs=1e-4) for r in ran)
