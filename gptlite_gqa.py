@@ -33,6 +33,23 @@ def check_cache_shape(got, expected, got_dtype, dtype):
                          f"expected {expected}, {dtype}); make a new cache")
 
 
+def grouped_query_attention(Q, K, V, dropout=None):
+    """Queries [B, H, T, D] over keys and values [B, G, n, D] shared by groups of H/G consecutive heads,
+    the last T of them the new tokens (the shifted causal mask). Returns [B, H, T, D].
+
+    Each group's H/G heads are folded into its query rows, [B, G, H/G * T, D]: one batched matmul
+    against the group's keys and values, which are read once and never copied (broadcasting them over
+    the heads, or repeat_interleave, copies them: 3-9x slower for a decoding step on CPU)."""
+    B, H, T, D = Q.shape
+    G, n = K.shape[1], K.shape[2]
+    mask = False  # one new token per head sees every key
+    if T > 1:  # the shifted causal mask of T queries over n keys, once per head of the group
+        mask = torch.ones(T, n, dtype=torch.bool, device=Q.device).tril(diagonal=n - T).repeat(H // G, 1)
+    out = scaled_dot_product_attention_kv_cache(Q.reshape(B, G, H // G * T, D), K, V, causal_mask=mask,
+                                                dropout=dropout)  # [B, G, H/G * T, D]
+    return out.view(B, H, T, out.shape[-1])  # heads in their original order
+
+
 class MultiHeadAttention_GQA(MultiHeadAttention_KVCache):
     def __init__(self, d_model, n_heads, d_head, dropout_p, n_groups):
         check_n_groups(n_heads, n_groups)
@@ -43,19 +60,9 @@ class MultiHeadAttention_GQA(MultiHeadAttention_KVCache):
         self.value_proj = nn.Linear(d_model, n_groups * d_head)
 
     def attention(self, Q, K, V):
-        """Queries [B, H, T, D] over the groups' keys and values [B, G, n, D], which is what the cache of
-        MultiHeadAttention_KVCache.forward holds here, since key_proj and value_proj have n_groups heads."""
-        B, H, T, D = Q.shape
-        G, n = self.n_groups, K.shape[2]
-        # Fold the H/G heads of a group into its query rows, [B, G, H/G * T, D]: one batched matmul against
-        # the group's keys and values, which are read once and never copied (broadcasting them over the
-        # heads, or repeat_interleave, copies them: 3-9x slower for a decoding step on CPU).
-        Q = Q.reshape(B, G, H // G * T, D)
-        mask = False  # one new token per head sees every key
-        if T > 1:  # the shifted causal mask of T queries over n keys, once per head of the group
-            mask = torch.ones(T, n, dtype=torch.bool, device=Q.device).tril(diagonal=n - T).repeat(H // G, 1)
-        out = scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=mask, dropout=self.dropout)
-        return out.view(B, H, T, D)  # [B, G, H/G * T, D] -> [B, H, T, D], heads in their original order
+        """K and V are the groups' [B, G, n, D]: what the cache of MultiHeadAttention_KVCache.forward holds
+        here, since key_proj and value_proj have n_groups heads."""
+        return grouped_query_attention(Q, K, V, dropout=self.dropout)
 
 
 class GPTlite_GQA(GPTlite_KVCache):

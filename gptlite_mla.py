@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from gptlite import MultiHeadAttention
-from gptlite_gqa import check_cache_shape
+from gptlite_gqa import check_cache_shape, grouped_query_attention
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, scaled_dot_product_attention_kv_cache
 
 
@@ -74,9 +74,9 @@ class MultiHeadAttention_MLA(MultiHeadAttention):
         # q . (W_uk c + b_k) = (W_uk^T q) . c + q . b_k; the second term is the same for every key of a
         # query, and softmax ignores a constant added to a row: the key bias drops out.
         Q_latent = torch.einsum("bhtd,hdl->bhtl", Q, W_uk)  # [B, H, T, L]
-        # the scores must be divided by sqrt(D), the attention function divides by sqrt(L)
-        out = scaled_dot_product_attention_kv_cache(Q_latent * (L / D) ** 0.5, C, C, causal_mask=True,
-                                                    dropout=self.dropout)  # [B, H, T, L], the latents' mix
+        # Every head attends over the same latents: multi-query attention in the latent space, with C as
+        # both keys and values. The scores must be divided by sqrt(D); the attention divides by sqrt(L).
+        out = grouped_query_attention(Q_latent * (L / D) ** 0.5, C, C, dropout=self.dropout)  # [B, H, T, L]
         # sum_j w_j (W_uv c_j + b_v) = W_uv (sum_j w_j c_j) + b_v, since the weights sum to 1 (without dropout:
         # train with absorb=False)
         return torch.einsum("bhtl,hdl->bhtd", out, W_uv) + self.value_up.bias.view(H, 1, D)  # [B, H, T, D]
