@@ -87,7 +87,7 @@ class BlockManager:
                                    f"for {n} tokens")
 
 
-@dataclass
+@dataclass(eq=False)  # sequences compare by identity
 class Sequence:
     seq_id: int
     prompt: list
