@@ -24,6 +24,7 @@ from collections import deque
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import inference_utils as iu
 import serving
@@ -81,11 +82,15 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device):
     for serve in variants.values():
         serve(requests[:2], serving.ServingClock.offline(requests[:2], device))  # warm-up
     results = {name: [] for name in variants}
+    bar = tqdm(total=args.repeats * len(variants), desc=f"trace runs, batch {batch_size}", dynamic_ncols=True)
     for _ in range(args.repeats):  # round-robin: a slow moment of the machine falls on every variant alike
         for name, serve in variants.items():
+            bar.set_postfix_str(name)
             clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
             outputs, extra = serve(requests, clock)
             results[name].append((outputs, serving.latency_figures(clock) | extra))
+            bar.update()
+    bar.close()
     return results
 
 

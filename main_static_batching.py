@@ -20,6 +20,7 @@ from collections import deque
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+from tqdm import tqdm
 
 import inference_utils as iu
 import serving
@@ -97,11 +98,14 @@ def main(argv=None):
 
     static_batching(base, requests[:2], 2, seqlen)  # warm-up
     runs = {batch_size: [] for batch_size in args.batch_sizes}
+    bar = tqdm(total=args.repeats * len(args.batch_sizes), desc="static batching runs", dynamic_ncols=True)
     for _ in range(args.repeats):  # round-robin over the batch sizes
         for batch_size in args.batch_sizes:
             clock = serving.ServingClock.offline(requests, device)
             outputs, _ = static_batching(base, requests, batch_size, seqlen, clock)
             runs[batch_size].append((serving.latency_figures(clock), serving.same_outputs(outputs, reference)))
+            bar.update()
+    bar.close()
     rows = [iu.make_row(f"static batching, batch {batch_size}", val_loss=val_loss,
                         **serving.median_figures([figures for figures, _ in batch_runs]),
                         same=next((same for _, same in batch_runs if same != "yes"), "yes"))
