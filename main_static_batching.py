@@ -33,6 +33,8 @@ def next_tokens(model, sequences, seqlen):
     """The greedy next token of each sequence (a list of 1-D LongTensors): one padded forward, no cache.
 
     Returns a LongTensor [len(sequences)]."""
+    if len(sequences) == 0:
+        raise ValueError("no sequences: give a list of 1-D LongTensors of token ids")
     lengths = torch.tensor([len(s) for s in sequences], device=sequences[0].device)  # [B]
     if int(lengths.max()) > seqlen:
         raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit the window seqlen={seqlen}")

@@ -44,6 +44,10 @@ def test_next_tokens_reads_each_sequence_at_its_own_last_position(tiny_models):
     alone = torch.stack([base(s[None])[0, -1].argmax() for s in sequences])
     assert torch.equal(next_tokens(base, sequences, SEQLEN), alone)
     assert len({len(s) for s in sequences}) > 1  # the padding really differs between sequences
+    with pytest.raises(ValueError, match="no sequences"):
+        next_tokens(base, [], SEQLEN)
+    with pytest.raises(ValueError, match="does not fit the window"):
+        next_tokens(base, [torch.ones(SEQLEN + 1, dtype=torch.long)], SEQLEN)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
