@@ -120,11 +120,10 @@ def main(argv=None):
                             val_loss=after, loss_converted=round(before, 4)))
     fns["MHA"] = lambda n, m=mha: generate_kvcache(m, prompts, n, seqlen)
 
+    diff = max_logit_diff(mla_model(base_state, preset, full, device), base, window[:8])  # swept or not
+    checks[f"MLA-{full} (full rank) = MHA, max |logit diff| {diff:.1e}"] = diff <= FULL_RANK_ATOL
     for d_latent in latents:
         model = mla_model(base_state, preset, d_latent, device)
-        if d_latent == full:
-            diff = max_logit_diff(model, base, window[:8])
-            checks[f"MLA-{full} (full rank) = MHA, max |logit diff| {diff:.1e}"] = diff <= FULL_RANK_ATOL
         diff = absorbed_against_recomputed(model, window[:8])
         checks[f"MLA-{d_latent} absorbed = recomputed, max |logit diff| {diff:.1e}"] = diff <= ABSORB_ATOL
         checks[f"MLA-{d_latent} cached = full"] = cached_matches_full(model.set_absorb(True), window[:8])
