@@ -28,7 +28,7 @@ import inference_utils as iu
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 
-DEFAULT_ITERS = {"cpu": 500}  # student training steps; other presets: the student preset's iters
+DEFAULT_ITERS = {"cpu": 300}  # student training steps; other presets: the student preset's iters
 
 
 def distillation_loss(logits_student, logits_teacher, temperature, targets=None, alpha=0.0):

@@ -31,7 +31,7 @@ from gptlite import GPTlite
 from main_distillation import (add_run_args, check_run_args, distillation_loss_fn, measure_models,
                                save_and_reload)
 
-DEFAULT_ITERS = {"cpu": 300}  # distillation steps per variant; other presets: 2000
+DEFAULT_ITERS = {"cpu": 200}  # distillation steps per variant; other presets: 2000
 
 
 @torch.no_grad()
