@@ -439,7 +439,7 @@ def measure_generation(generate_fn, n_tokens, batch_size, device="cpu", warmup=1
 
 
 @contextlib.contextmanager
-def _stderr_silenced():
+def stderr_silenced():
     """The profiler's library prints start/stop lines on stderr; hide them while it runs."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -466,7 +466,7 @@ def peak_memory_mb(fn, device="cpu"):
         synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - start) / 2**20
     from torch.profiler import ProfilerActivity, profile
-    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     current = peak = 0

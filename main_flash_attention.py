@@ -89,7 +89,7 @@ def forced(backend):
 def sdpa_kernels_run(fn):
     """The SDPA kernels that `fn()` ran, e.g. 'flash_attention_for_cpu', read from the profiler's op list."""
     from torch.profiler import ProfilerActivity, profile
-    with iu._stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with iu.stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     prefix = "aten::_scaled_dot_product_"
     return ", ".join(sorted({e.name[len(prefix):] for e in prof.events() if e.name.startswith(prefix)})) or "none"
