@@ -62,8 +62,9 @@ def continuous_batching(model, requests, batch_size, seqlen, clock=None):
     return outputs, n_steps
 
 
-def run_variants(base, requests, arrivals, batch_size, args, seqlen, device):
-    """Each variant on the trace: {name: (outputs, clock, extra figures)}."""
+def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, memory=False):
+    """Each variant on the trace: {name: [(outputs, figures) per run]}; with `memory`, one more (untimed)
+    run of each variant gives its peak memory, figures["peak_mem_mb"] of every run."""
     n_blocks = args.n_blocks or batch_size * seqlen // args.block_size  # the memory of a contiguous cache
 
     def engine(chunk_size):
@@ -91,6 +92,11 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device):
             results[name].append((outputs, serving.latency_figures(clock) | extra))
             bar.update()
     bar.close()
+    for name, serve in variants.items() if memory else ():
+        clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
+        peak = iu.peak_memory_mb(lambda: serve(requests, clock), device)  # noqa: B023  (called at once)
+        for _, figures in results[name]:
+            figures["peak_mem_mb"] = peak
     return results
 
 
@@ -101,6 +107,7 @@ def make_rows(results, reference, val_loss):
         figures = serving.median_figures([f for _, f in runs])
         same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
         rows.append(iu.make_row(name, val_loss=val_loss, kv_cache_mb=figures.pop("kv_cache_mb", None),
+                                peak_mem_mb=figures.pop("peak_mem_mb", None),
                                 steps=figures.pop("steps"), wasted=figures.pop("wasted_slot_steps"),
                                 **{k: figures.pop(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s",
                                                                "ttft_p99_ms", "tpot_p99_ms")},
@@ -165,7 +172,7 @@ def main(argv=None):
     reference = serving.reference_outputs(cached, requests, seqlen)  # correctness first
     val_loss = iu.validation_loss(base, data)
 
-    results = run_variants(base, requests, arrivals, args.batch_size, args, seqlen, device)
+    results = run_variants(base, requests, arrivals, args.batch_size, args, seqlen, device, memory=True)
     rows = make_rows(results, reference, val_loss)
     prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
     print(f"\ntrace: {len(requests)} requests, Poisson arrivals at {args.rate:g}/s over {arrivals[-1]:.2f} s, "
@@ -177,6 +184,7 @@ def main(argv=None):
           "dropped; kv_util: tokens held / slots reserved, summed over steps (paged pool: allocated blocks); "
           "kv_util_contig: the same against seqlen slots per running sequence")
     iu.print_table(rows, untrained=args.untrained)
+    print(iu.peak_memory_label(device))
     tput = {r["variant"]: r["tokens_per_s"] for r in rows}
     tpot99 = [r["tpot_p99_ms"] for r in rows]
     print(f"continuous / static throughput: {tput['continuous batching'] / tput['static batching']:.2f}x; "

@@ -108,7 +108,9 @@ def main(argv=None):
             runs[batch_size].append((serving.latency_figures(clock), serving.same_outputs(outputs, reference)))
             bar.update()
     bar.close()
-    rows = [iu.make_row(f"static batching, batch {batch_size}", val_loss=val_loss,
+    peaks = {batch_size: iu.peak_memory_mb(lambda: static_batching(base, requests, batch_size, seqlen), device)  # noqa: B023
+             for batch_size in args.batch_sizes}  # one more, untimed run each
+    rows = [iu.make_row(f"static batching, batch {batch_size}", val_loss=val_loss, peak_mem_mb=peaks[batch_size],
                         **serving.median_figures([figures for figures, _ in batch_runs]),
                         same=next((same for _, same in batch_runs if same != "yes"), "yes"))
             for batch_size, batch_runs in runs.items()]
@@ -117,6 +119,7 @@ def main(argv=None):
           f"TTFT/TPOT: p50 (and p99) over requests, from arrival; tok/s: new tokens per second of steps; "
           f"median of {args.repeats} runs")
     iu.print_table(rows, untrained=args.untrained)
+    print(iu.peak_memory_label(device))
     if args.plot:
         fig, ax = iu.new_figure()
         ax.bar([str(b) for b in args.batch_sizes], [r["wasted_slot_steps"] for r in rows])
