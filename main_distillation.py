@@ -174,7 +174,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
     parser.add_argument("--iters", type=int, default=None,
-                        help=f"training steps of each student (default: {DEFAULT_ITERS} else the student preset's)")
+                        help=f"training steps of each student (default: {DEFAULT_ITERS['cpu']} for the cpu preset, else the student preset's)")
     parser.add_argument("--alpha", type=float, default=0.5, help="weight of the hard labels in the soft + hard student")
     parser.add_argument("--batch-size", type=int, default=None, help="training batch (default: the preset's)")
     add_run_args(parser, "best student")

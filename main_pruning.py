@@ -182,7 +182,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
     parser.add_argument("--iters", type=int, default=None,
-                        help=f"distillation steps of each variant (default: {DEFAULT_ITERS}, else 2000)")
+                        help=f"distillation steps of each variant (default: {DEFAULT_ITERS['cpu']} for the cpu preset, else 2000)")
     parser.add_argument("--keep", type=float, default=0.5, help="fraction of the heads and MLP neurons kept per block")
     parser.add_argument("--step", type=float, default=0.1,
                         help="fraction of the original heads and neurons removed per iterative step")
