@@ -11,12 +11,13 @@ A trained multi-head model becomes a GQA model by mean pooling the key and value
 
 `GPTlite_GQA` is a `GPTlite_KVCache`: forward(idx, kv_cache, max_seqlen) -> (logits, cache), so
 `generate_kvcache`, `prefill` and `decode_one_token` of gptlite_kvcache.py work with it as they are,
-with a dynamic cache or with a `StaticKVCache` of n_groups heads (`static_kv_cache`).
+with a dynamic cache or with a `StaticKVCache` of n_groups heads (`StaticKVCache.for_model` reads the
+number of cached heads off `key_proj`).
 """
 import torch
 import torch.nn as nn
 
-from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, StaticKVCache, \
+from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, \
     scaled_dot_product_attention_kv_cache
 
 
@@ -25,12 +26,6 @@ def check_n_groups(n_heads, n_groups):
         divisors = [g for g in range(1, n_heads + 1) if n_heads % g == 0]
         raise ValueError(f"n_groups must divide n_heads={n_heads} (every group has as many query heads), "
                          f"got {n_groups!r}; choose one of {divisors}")
-
-
-def check_cache_shape(got, expected, got_dtype, dtype):
-    if got != expected or got_dtype != dtype:
-        raise ValueError(f"the KV cache was made for another model, batch or dtype (shape {got}, {got_dtype}; "
-                         f"expected {expected}, {dtype}); make a new cache")
 
 
 def grouped_query_attention(Q, K, V, dropout=None):
@@ -74,23 +69,6 @@ class GPTlite_GQA(GPTlite_KVCache):
         for block in self.blocks:
             block.mha = MultiHeadAttention_GQA(d_model, n_heads, d_head, dropout_p, n_groups)
         self.apply(self._init_weights)
-
-    def check_cache(self, kv_cache, batch_size, max_seqlen):
-        mha, dtype = self.blocks[0].mha, self.fc_out.weight.dtype
-        if isinstance(kv_cache, StaticKVCache):
-            expected = (len(self.blocks), batch_size, mha.n_groups, max_seqlen, mha.d_head)
-            check_cache_shape(tuple(kv_cache.keys.shape), expected, kv_cache.keys.dtype, dtype)
-        else:
-            keys = kv_cache[0][0]
-            got = (len(kv_cache), keys.shape[0], keys.shape[1], keys.shape[3])
-            check_cache_shape(got, (len(self.blocks), batch_size, mha.n_groups, mha.d_head), keys.dtype, dtype)
-
-
-def static_kv_cache(model, batch_size, max_seqlen=None):
-    """A StaticKVCache of the model's n_groups key/value heads (StaticKVCache.for_model would make n_heads)."""
-    mha, p = model.blocks[0].mha, model.fc_out.weight
-    return StaticKVCache(len(model.blocks), batch_size, mha.n_groups, mha.d_head, max_seqlen or model.seqlen,
-                         device=p.device, dtype=p.dtype)
 
 
 KV_PROJ_NAMES = tuple(f".{proj}.{p}" for proj in ("key_proj", "value_proj") for p in ("weight", "bias"))

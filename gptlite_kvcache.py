@@ -53,7 +53,7 @@ class StaticKVCache:
     def for_model(cls, model, batch_size, max_seqlen=None):
         mha = model.blocks[0].mha
         p = model.fc_out.weight
-        return cls(len(model.blocks), batch_size, mha.n_heads, mha.d_head, max_seqlen or model.seqlen,
+        return cls(len(model.blocks), batch_size, cached_heads(mha), mha.d_head, max_seqlen or model.seqlen,
                    device=p.device, dtype=p.dtype)
 
     def reset(self):
@@ -80,6 +80,17 @@ class StaticKVCache:
         values.narrow(2, start, T).copy_(v)
         n = min(self.n_tokens + T, self.max_seqlen)
         return keys.narrow(2, 0, n), values.narrow(2, 0, n)
+
+
+def cached_heads(mha):
+    """Key/value heads an attention module caches: n_heads, or fewer where heads share them (GQA)."""
+    return mha.key_proj.out_features // mha.d_head
+
+
+def check_cache_shape(got, expected, got_dtype, dtype):
+    if got != expected or got_dtype != dtype:
+        raise ValueError(f"the KV cache was made for another model, batch or dtype (shape {got}, {got_dtype}; "
+                         f"expected {expected}, {dtype}); make a new cache")
 
 
 def kv_cache_length(kv_cache):
@@ -140,16 +151,14 @@ class GPTlite_KVCache(GPTlite):
     def check_cache(self, kv_cache, batch_size, max_seqlen):
         """A cache made for another batch, model or dtype is a clear error, not a shape mismatch deep in torch."""
         mha, dtype = self.blocks[0].mha, self.fc_out.weight.dtype
+        heads = cached_heads(mha)
         if isinstance(kv_cache, StaticKVCache):
-            shape, got_dtype = (len(self.blocks), batch_size, mha.n_heads, max_seqlen, mha.d_head), kv_cache.keys.dtype
-            got = tuple(kv_cache.keys.shape)
+            expected = (len(self.blocks), batch_size, heads, max_seqlen, mha.d_head)
+            check_cache_shape(tuple(kv_cache.keys.shape), expected, kv_cache.keys.dtype, dtype)
         else:
             keys = kv_cache[0][0]
-            shape, got_dtype = (len(self.blocks), batch_size, mha.n_heads, mha.d_head), keys.dtype
             got = (len(kv_cache), keys.shape[0], keys.shape[1], keys.shape[3])
-        if got != shape or got_dtype != dtype:
-            raise ValueError(f"the KV cache was made for another model, batch or dtype (shape {got}, {got_dtype}; "
-                             f"expected {shape}, {dtype}); make a new cache")
+            check_cache_shape(got, (len(self.blocks), batch_size, heads, mha.d_head), keys.dtype, dtype)
 
     def forward(self, idx, kv_cache=None, max_seqlen=None):
         """idx: [B, T] new tokens after the `kv_cache` entries (None: an empty cache).

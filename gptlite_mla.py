@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 
 from gptlite import MultiHeadAttention
-from gptlite_gqa import check_cache_shape, grouped_query_attention
-from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, scaled_dot_product_attention_kv_cache
+from gptlite_gqa import grouped_query_attention
+from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, check_cache_shape, scaled_dot_product_attention_kv_cache
 
 
 def max_latent(n_heads, d_head, d_model):

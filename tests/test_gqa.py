@@ -9,7 +9,7 @@ import inference_utils as iu
 import main_gqa
 from conftest import TINY
 from gptlite import GPTlite, generate
-from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, load_gqa, static_kv_cache
+from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, load_gqa
 from gptlite_kvcache import StaticKVCache, generate_kvcache
 
 ATOL = 1e-5  # float32
@@ -109,7 +109,7 @@ def test_cache_holds_the_groups_only_mqa_is_one_over_n_heads(config):
         sizes[n_groups] = iu.kv_cache_bytes(cache)
     assert sizes[1] * n_heads == sizes[n_heads]  # MQA
     assert all(sizes[g] * n_heads == sizes[n_heads] * g for g in sizes)
-    static = static_kv_cache(converted(base, config, 1), 2)
+    static = StaticKVCache.for_model(converted(base, config, 1), 2)  # n_groups heads, read off key_proj
     assert static.nbytes * n_heads == StaticKVCache.for_model(converted(base, config, n_heads), 2).nbytes
 
 
@@ -120,7 +120,7 @@ def test_gqa_with_a_cache_matches_gqa_without(n_groups, kind):
     x = random_tokens(3, SEQLEN, seed=3)
     with torch.inference_mode():
         full = gqa(x)[0]
-    new_cache = (lambda: None) if kind == "dynamic" else (lambda: static_kv_cache(gqa, 3))
+    new_cache = (lambda: None) if kind == "dynamic" else (lambda: StaticKVCache.for_model(gqa, 3))
     logits, cache = prefill_then_steps(gqa, x, 5, new_cache())
     torch.testing.assert_close(logits, full, atol=ATOL, rtol=0)
     assert cache[0][0].shape[1] == n_groups if kind == "dynamic" else cache.keys.shape[2] == n_groups
@@ -148,7 +148,8 @@ def test_bad_group_counts_and_caches_are_clear_errors(tiny_models):
     with pytest.raises(ValueError, match="another model, batch or dtype"):
         generate_kvcache(mqa, prompt, 3, SEQLEN, kv_cache=mha_cache)  # 3 heads cached, MQA has 1
     with pytest.raises(ValueError, match="another model, batch or dtype"):
-        generate_kvcache(mqa, prompt, 3, SEQLEN, kv_cache=StaticKVCache.for_model(mqa, 2))  # n_heads, not n_groups
+        mha_static = StaticKVCache(TINY["n_layers"], 2, H, D, SEQLEN)  # n_heads, not n_groups
+        generate_kvcache(mqa, prompt, 3, SEQLEN, kv_cache=mha_static)
 
 
 def test_saved_gqa_checkpoint_loads_with_its_config(tmp_path):
