@@ -1,5 +1,6 @@
 """Shared helpers of every script: presets, data, checkpoints, training, timing, memory, evaluation,
 reporting and the common flags. Written once here so that each main_<technique>.py stays thin."""
+import argparse
 import contextlib
 import hashlib
 import http.client
@@ -427,10 +428,23 @@ def compare_generation(variants, n_tokens, batch_size, device="cpu", warmup=1, r
     results = {}
     for name in variants:
         ttft, total = statistics.median(times[name][1]), statistics.median(times[name][n_tokens])
-        results[name] = {"ttft_ms": ttft * 1e3,
-                         "tpot_ms": (total - ttft) / (n_tokens - 1) * 1e3 if n_tokens > 1 else None,
+        results[name] = {"ttft_ms": ttft * 1e3, "tpot_ms": tpot_ms(ttft, total, n_tokens),
                          "tokens_per_s": batch_size * n_tokens / total}
     return results
+
+
+def tpot_ms(ttft, total, n_tokens):
+    """TPOT from the median times of generating 1 and n_tokens tokens, in ms; None when it cannot be
+    measured: one token, or a difference of medians that timing noise made zero or negative (too few
+    tokens or repeats), which is no time per token at all."""
+    if n_tokens < 2 or total <= ttft:
+        return None
+    return (total - ttft) / (n_tokens - 1) * 1e3
+
+
+def ratio(a, b):
+    """a / b, or None when either figure could not be measured (None) or b is not positive."""
+    return a / b if a is not None and b is not None and b > 0 else None
 
 
 def measure_generation(generate_fn, n_tokens, batch_size, device="cpu", warmup=1, repeats=5):
@@ -496,11 +510,47 @@ def kv_cache_bytes(kv_cache):
 # ----------------------------------------------------------------------------------------------------
 # Flags, set-up and reporting.
 
+def int_at_least(low):
+    """An argparse type: an integer of at least `low` (the error names the flag and the bound)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def float_in(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    """An argparse type: a finite float in [low, high] (an open end with low_open / high_open).
+    inf and nan are refused: a non-finite learning rate or temperature trains a NaN model."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        below = value <= low if low_open else value < low
+        above = value >= high if high_open else value > high
+        if not math.isfinite(value) or below or above:
+            interval = (f"{'(' if low_open or low == -math.inf else '['}{low:g}, "
+                        f"{high:g}{')' if high_open or high == math.inf else ']'}")
+            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+positive_float = float_in(0.0, low_open=True)  # learning rates, temperatures
+
+
 def add_model_args(parser):
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="model preset (default: gptlite on CUDA, cpu elsewhere)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of training, prompts and weights")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="random seed of training, prompts and weights")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="tiny Shakespeare file (default: $GPTLITE_DATA, else data/tinyshakespeare.txt)")
 
@@ -562,15 +612,35 @@ def make_row(variant, **figures):
     return row
 
 
+def float_format(values):
+    """One format for a column of numbers: as many decimals as its most precise value needs (at most
+    4), so that 0.940 stands beside 0.938, not 0.94; integers as integers."""
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return "{}"
+    decimals = max(len(f"{v:.4f}".rstrip("0").split(".")[1]) for v in values)
+    return f"{{:.{decimals}f}}"
+
+
+def table_columns(rows):
+    """The printed columns: the standard ones that some row fills (TTFT ms, TPOT ms, ...), then every
+    extra key in first-seen order; extra numbers get one format per column. [(key, header, format)]"""
+    standard = {key for key, _, _ in COLUMNS}
+    columns = [c for c in COLUMNS if c[0] == "variant" or any(r.get(c[0]) is not None for r in rows)]
+    extras = dict.fromkeys(k for r in rows for k in r if k not in standard)
+    for key in extras:
+        numbers = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        columns.append((key, key, float_format(numbers) if numbers else "{}"))
+    return columns
+
+
 def format_table(rows, untrained=False):
-    extra = [k for k in rows[0] if k not in {c[0] for c in COLUMNS}]
-    columns = COLUMNS + [(k, k, "{}") for k in extra]
+    columns = table_columns(rows)
 
     def cell(row, key, fmt):
         value = row.get(key)
         if value is None:
             return "-"
-        text = fmt.format(value) if not isinstance(value, str) else value
+        text = fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
         return text + "*" if key == "val_loss" and untrained else text
 
     table = [[header for _, header, _ in columns]] + [[cell(r, k, f) for k, _, f in columns] for r in rows]
@@ -587,11 +657,26 @@ def print_table(rows, untrained=False):
     print(format_table(rows, untrained))
 
 
+def strict_json(value):
+    """`value` with every NaN or infinity replaced by None: JSON has no such numbers (json.dumps would
+    write NaN/Infinity, which strict parsers reject)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def save_json(path, script, preset, device, rows, untrained=False, **extra):
-    """Write the results as {"script", "preset", "device", "rows": [...]} (temp file, then rename)."""
+    """Write the results as {"script", "preset", "device", "columns", "rows": [...]} (temp file, then
+    rename): `columns` are the table's [key, header, format] as printed; strict JSON (no NaN)."""
     result = {"script": script, "preset": preset.name, "device": str(device), "untrained": untrained,
-              "torch": torch.__version__, "preset_config": asdict(preset), "rows": rows, **extra}
-    atomic_write_bytes((json.dumps(result, indent=2) + "\n").encode(), path)
+              "torch": torch.__version__, "preset_config": asdict(preset),
+              "columns": [list(c) for c in table_columns(rows)], "rows": rows, **extra}
+    text = json.dumps(strict_json(result), indent=2, allow_nan=False)
+    atomic_write_bytes((text + "\n").encode(), path)
     print(f"wrote {path}")
 
 
