@@ -140,14 +140,14 @@ def check_generation_args(model, prompt, n_tokens, seqlen):
 def generate(model, prompt, n_tokens, seqlen):
     """Greedy decoding without a cache: every step re-encodes the last `seqlen` tokens (sliding window).
 
-    prompt: [B, S] token ids. Returns the n_tokens new tokens, [B, n_tokens]."""
+    prompt: [B, S] token ids. Returns the prompt followed by the n_tokens new tokens, [B, S + n_tokens]."""
     check_generation_args(model, prompt, n_tokens, seqlen)
-    idx = prompt
+    tokens = prompt
     for _ in range(n_tokens):
-        logits = model(idx[:, -seqlen:])  # [B, <=seqlen, vocab]
+        logits = model(tokens[:, -seqlen:])  # [B, <=seqlen, vocab]
         next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
-        idx = torch.cat([idx, next_token], dim=1)
-    return idx[:, prompt.shape[1]:]
+        tokens = torch.cat([tokens, next_token], dim=1)
+    return tokens
 
 
 def main():
@@ -166,7 +166,7 @@ def main():
     model = iu.train_checkpoint(preset, data, device, iters=args.iters, seed=args.seed)
     prompt = torch.tensor([data.encode("\n")], device=device)
     sample = generate(model.eval(), prompt, args.sample_tokens, model.seqlen)
-    print(data.decode(sample[0].tolist()))
+    print(data.decode(sample[0, 1:].tolist()))  # without the prompt's newline
 
 
 if __name__ == "__main__":

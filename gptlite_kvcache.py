@@ -148,6 +148,16 @@ class GPTlite_KVCache(GPTlite):
                                       for _ in range(n_layers)])
         self.apply(self._init_weights)
 
+    @classmethod
+    def from_model(cls, model):
+        """The same config and weights as `model` (a GPTlite, trained or not), with a KV cache, in eval mode."""
+        mha, mlp = model.blocks[0].mha, model.blocks[0].ffwd.net[0]
+        cached = cls(vocab_size=model.token_embedding.num_embeddings, d_model=model.token_embedding.embedding_dim,
+                     n_heads=mha.n_heads, d_head=mha.d_head, n_layers=len(model.blocks), dropout_p=mha.dropout.p,
+                     seqlen=model.seqlen, d_ff=mlp.out_features)
+        cached.load_state_dict(model.state_dict())
+        return cached.to(model.fc_out.weight.device).eval()
+
     def check_cache(self, kv_cache, batch_size, max_seqlen):
         """A cache made for another batch, model or dtype is a clear error, not a shape mismatch deep in torch."""
         mha, dtype = self.blocks[0].mha, self.fc_out.weight.dtype
@@ -233,8 +243,9 @@ def decode_n_tokens(model, token, kv_cache, n_tokens, seqlen):
 @torch.inference_mode()
 def generate_kvcache(model, prompt, n_tokens, seqlen, kv_cache=None):
     """Greedy decoding with a KV cache. prompt: [B, S] token ids after the `kv_cache` entries (None:
-    start empty; a StaticKVCache is filled in place). Returns the new tokens, [B, n_tokens]."""
+    start empty; a StaticKVCache is filled in place). Returns the prompt followed by the n_tokens new
+    tokens, [B, S + n_tokens], as `generate` does (with a prefix cache: the request, then its tokens)."""
     check_generation_args(model, prompt, n_tokens, seqlen)
     token, kv_cache = prefill(model, prompt, kv_cache, seqlen)
     tokens, _ = decode_n_tokens(model, token, kv_cache, n_tokens - 1, seqlen)
-    return torch.cat([token] + tokens, dim=1)
+    return torch.cat([prompt, token] + tokens, dim=1)

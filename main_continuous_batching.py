@@ -37,7 +37,7 @@ from paged_engine import PagedEngine
 def continuous_batching(model, requests, batch_size, seqlen, clock=None):
     """Generate every request (prompt, n_tokens) with at most batch_size in the batch; a finished
     request leaves at once and the next arrived one (`clock`, None: all at time 0) takes its slot.
-    Returns the new tokens of each request (a list of 1-D LongTensors) and the number of steps."""
+    Returns (outputs, n_steps): outputs[i] is request i's prompt followed by its n_tokens new tokens (1-D)."""
     requests = serving.check_requests(model, requests, batch_size, seqlen)
     clock = clock or serving.ServingClock.offline(requests, requests[0][0].device)
     sequences = [prompt for prompt, _ in requests]
@@ -58,8 +58,7 @@ def continuous_batching(model, requests, batch_size, seqlen, clock=None):
             clock.token(i, n_generated[i])
         running = [i for i in running if n_generated[i] < requests[i][1]]  # finished requests leave
         n_steps += 1
-    outputs = [s[len(prompt):] for s, (prompt, _) in zip(sequences, requests)]
-    return outputs, n_steps
+    return sequences, n_steps
 
 
 def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, memory=False):

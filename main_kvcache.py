@@ -24,12 +24,8 @@ from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
 
 
 def check_args(args, parser, seqlen):
-    if not 1 <= args.prompt_len <= seqlen:
-        parser.error(f"--prompt-len must be between 1 and the model's seqlen={seqlen}, got {args.prompt_len}")
-    for flag, value, low in [("--n-tokens", args.n_tokens, 2), ("--batch-sizes", min(args.batch_sizes), 1),
-                             ("--repeats", args.repeats, 1)]:
-        if value < low:
-            parser.error(f"{flag} must be at least {low}, got {value}")
+    if args.prompt_len > seqlen:
+        parser.error(f"--prompt-len must be at most the model's seqlen={seqlen}, got {args.prompt_len}")
     if len(set(args.batch_sizes)) != len(args.batch_sizes):
         parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
 
@@ -52,8 +48,8 @@ def make_variants(base, cached, prompts, seqlen):
 def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_losses):
     """One row per variant for a batch of prompts; the first in-window tokens must equal no-cache's."""
     fns, static_cache = make_variants(base, cached, prompts, seqlen)
-    tokens = {name: fn(n_tokens) for name, fn in fns.items()}  # correctness first
-    in_window = min(seqlen - prompts.shape[1] + 1, n_tokens)
+    tokens = {name: fn(n_tokens) for name, fn in fns.items()}  # correctness first: [B, P + n_tokens] each
+    in_window = prompts.shape[1] + min(seqlen - prompts.shape[1] + 1, n_tokens)  # prompt + new tokens that fit
     reference = tokens["no cache"]
     timings = iu.compare_generation(fns, n_tokens, prompts.shape[0], device, warmup=1, repeats=repeats)
     rows = []
@@ -67,7 +63,7 @@ def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_
             kv_bytes = iu.kv_cache_bytes(static_cache)  # preallocated for seqlen
             memory_run = lambda: fn(n_tokens, new_cache=True)  # noqa: E731  (so that its buffers count)
         else:  # the dynamic cache at the end of generation holds the last min(length, seqlen) tokens
-            full = torch.cat([prompts, tokens[name][:, :-1]], dim=1)
+            full = tokens[name][:, :-1]  # every token but the last has its keys and values cached
             with torch.inference_mode():
                 kv_bytes = iu.kv_cache_bytes(cached(full[:, -seqlen:])[1])
         rows.append(iu.make_row(
@@ -76,15 +72,31 @@ def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_
             kv_cache_mb=kv_bytes / 2**20 if kv_bytes is not None else None,
             val_loss=val_losses[name],
             same_in_window="yes" if same else "NO",
-            same_after_window=f"{after:.0%}" if n_tokens > in_window else "-"))
+            same_after_window=f"{after:.0%}" if tokens[name].shape[1] > in_window else "-"))
     return rows, fns
+
+
+def ratio_lines(rows, batch_sizes):
+    """TPOT of no cache / dynamic cache and static / dynamic at each batch size ('-' if unmeasurable)."""
+    lines = []
+    for batch_size in batch_sizes:
+        no_cache, dynamic, static = (r["tpot_ms"] for r in rows if r["batch_size"] == batch_size)
+        speedup, static_ratio = iu.ratio(no_cache, dynamic), iu.ratio(static, dynamic)
+        if speedup is None or static_ratio is None:  # a difference of two medians that noise swallowed
+            lines.append(f"batch {batch_size}: TPOT too small to measure against timing noise; raise --n-tokens "
+                         "or --repeats")
+        else:
+            lines.append(f"batch {batch_size}: TPOT no cache / dynamic = {speedup:.2f}x, "
+                         f"static / dynamic = {static_ratio:.2f}")
+    return lines
 
 
 def plot_tpot_sweep(sweep, path, preset, device):
     fig, axes = iu.new_figure(len(sweep))
     for ax, (batch_size, by_variant) in zip(np.atleast_1d(axes), sweep.items()):
         for variant, points in by_variant.items():
-            ax.plot(points["n_tokens"], points["tpot_ms"], marker="o", label=variant)
+            tpot = [np.nan if t is None else t for t in points["tpot_ms"]]  # unmeasurable: a gap
+            ax.plot(points["n_tokens"], tpot, marker="o", label=variant)
         ax.set(xscale="log", ylim=(0, None), xlabel="generated tokens", ylabel="TPOT (ms)",
                title=f"batch {batch_size} (preset {preset.name}, {device})")
         ax.legend()
@@ -94,17 +106,17 @@ def plot_tpot_sweep(sweep, path, preset, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
-    parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in characters")
-    parser.add_argument("--n-tokens", type=int, default=128, help="new tokens generated per prompt (at least 2)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
+    parser.add_argument("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length in characters")
+    parser.add_argument("--n-tokens", type=iu.int_at_least(2), default=128, help="new tokens generated per prompt")
+    parser.add_argument("--batch-sizes", type=iu.int_at_least(1), nargs="+", default=[1, 8],
                         help="numbers of prompts generated together, a row group each")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
+    parser.add_argument("--repeats", type=iu.int_at_least(1), default=5,
+                        help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
     preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
-    cached = GPTlite_KVCache(**preset.model_config()).to(device).eval()
-    cached.load_state_dict(base.state_dict())  # the same weights, trained or not
+    cached = GPTlite_KVCache.from_model(base)  # the same weights, trained or not
     seqlen = preset.seqlen
     val_losses = {"no cache": iu.validation_loss(base, data)}
     val_losses["dynamic KV cache"] = val_losses["static KV cache"] = iu.validation_loss(cached, data)
@@ -121,13 +133,8 @@ def main(argv=None):
           f"(the first {in_window} new tokens must match no cache), median of {args.repeats} runs")
     iu.print_table(rows, untrained=args.untrained)
     print(iu.peak_memory_label(device))
-    for batch_size in args.batch_sizes:
-        no_cache, dynamic, static = (r["tpot_ms"] for r in rows if r["batch_size"] == batch_size)
-        if dynamic > 0:
-            print(f"batch {batch_size}: TPOT no cache / dynamic = {no_cache / dynamic:.2f}x, "
-                  f"static / dynamic = {static / dynamic:.2f}")
-        else:  # TPOT is a difference of two medians: generate more tokens for a meaningful figure
-            print(f"batch {batch_size}: TPOT too small to measure against timing noise; raise --n-tokens")
+    summary = ratio_lines(rows, args.batch_sizes)
+    print("\n".join(summary))
 
     sweep = None
     if args.plot:
@@ -141,7 +148,7 @@ def main(argv=None):
         plot_tpot_sweep(sweep, args.plot, preset, device)
     if args.json:
         iu.save_json(args.json, "main_kvcache.py", preset, device, rows, untrained=args.untrained,
-                     prompt_len=args.prompt_len, n_tokens=args.n_tokens, tokens_in_window=in_window,
+                     prompt_len=args.prompt_len, n_tokens=args.n_tokens, tokens_in_window=in_window, summary=summary,
                      tpot_sweep=sweep)
     failures = sorted({f"{r['variant']} (batch {r['batch_size']})" for r in rows if r["same_in_window"] != "yes"})
     if failures:

@@ -48,8 +48,8 @@ def static_batching(model, requests, batch_size, seqlen, clock=None):
     """Generate every request (prompt, n_tokens), batch_size requests at a time, in order.
 
     A batch starts when the previous one is done, with the requests that have arrived by then (`clock`:
-    a serving.ServingClock; None: all there at time 0), and runs max(n_tokens) steps. Returns the new
-    tokens of each request (a list of 1-D LongTensors) and the number of steps."""
+    a serving.ServingClock; None: all there at time 0), and runs max(n_tokens) steps. Returns
+    (outputs, n_steps): outputs[i] is request i's prompt followed by its n_tokens new tokens (1-D)."""
     requests = serving.check_requests(model, requests, batch_size, seqlen)
     clock = clock or serving.ServingClock.offline(requests, requests[0][0].device)
     sequences = [prompt for prompt, _ in requests]
@@ -71,8 +71,7 @@ def static_batching(model, requests, batch_size, seqlen, clock=None):
             for i in kept:
                 clock.token(i, n_generated[i])
             n_steps += 1
-    outputs = [s[len(prompt):] for s, (prompt, _) in zip(sequences, requests)]
-    return outputs, n_steps
+    return sequences, n_steps
 
 
 def main(argv=None):

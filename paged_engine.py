@@ -274,7 +274,8 @@ class PagedEngine:
     def generate(self, requests, seqlen, clock=None):
         """Serve every request (prompt, n_tokens); `clock`: a serving.ServingClock (None: all at time 0).
 
-        Returns (outputs, n_steps) like the post's batching functions, and fills `self.stats`."""
+        Returns (outputs, n_steps) like the post's batching functions (outputs[i]: request i's prompt
+        followed by its new tokens, 1-D), and fills `self.stats`."""
         requests = serving.check_requests(self.model, requests, self.scheduler.max_seqs, seqlen)
         self.check_pool(requests)
         if self.scheduler.waiting or self.scheduler.running:
@@ -310,5 +311,5 @@ class PagedEngine:
         self.stats = dict(kv_util=held / reserved_paged, kv_util_contiguous=held / reserved_contiguous,
                           preemptions=self.scheduler.n_preemptions - preemptions_before,
                           token_steps=held, paged_slot_steps=reserved_paged, contiguous_slot_steps=reserved_contiguous)
-        outputs = [torch.tensor(seq.output, dtype=torch.long, device=requests[0][0].device) for seq in seqs]
+        outputs = [torch.tensor(seq.tokens, dtype=torch.long, device=requests[0][0].device) for seq in seqs]
         return outputs, n_steps

@@ -2,11 +2,11 @@
 
 Blog section: "Prefix caching". Two levels:
 
-1. The post's experiment, `generate_with_prefix_cache`: the keys and values of a shared prefix are
-   computed once (`_, prefix_cache = model(prefix)`) and every request starts from them
-   (`generate_kvcache(model, request, n, seqlen, kv_cache=prefix_cache)`). The dynamic cache grows
-   with torch.cat, which allocates new tensors, so a request never modifies the shared cache; a
-   StaticKVCache is written in place, so `fork_static_cache` copies it per request.
+1. The post's experiment is in main_prefix_cache.py (`prefix_caching`): the keys and values of a
+   shared prefix are computed once (`_, prefix_cache = model(prefix)`) and every request starts from
+   them (`generate_kvcache(model, request[None], n, seqlen, kv_cache=prefix_cache)`). The dynamic cache
+   grows with torch.cat, which allocates new tensors, so a request never modifies the shared cache; a
+   StaticKVCache is written in place, so `fork_static_cache` below copies it per request.
 
 2. What serving engines do, `PrefixCache`: a store that keeps KV blocks after a request ends and
    serves later requests by exact token-ID match. We follow vLLM's design rather than SGLang's radix
@@ -33,17 +33,12 @@ from gptlite_kvcache import StaticKVCache, decode_n_tokens, generate_kvcache, pr
 
 
 # ----------------------------------------------------------------------------------------------------
-# 1. The post's experiment: one shared prefix, computed once.
-
-@torch.inference_mode()
-def compute_prefix_cache(model, prefix):
-    """The dynamic cache of `prefix` [B, P]: a list of (keys, values) [B, H, P, D] per layer."""
-    return model(prefix)[1]
-
+# 1. The post's experiment (main_prefix_cache.prefix_caching) with a static cache: fork it per request.
 
 def fork_static_cache(cache):
     """A copy of a StaticKVCache's filled slots in a new cache of the same size: requests write in place,
-    so each one needs its own copy (copy-on-write at request granularity)."""
+    so each one needs its own copy (copy-on-write at request granularity). The dynamic cache needs no
+    copy: it grows with torch.cat, which makes new tensors."""
     n_layers, batch_size, n_heads, max_seqlen, d_head = cache.keys.shape
     fork = StaticKVCache(n_layers, batch_size, n_heads, d_head, max_seqlen, cache.keys.device, cache.keys.dtype)
     n = len(cache)
@@ -51,20 +46,6 @@ def fork_static_cache(cache):
     fork.values[:, :, :, :n] = cache.values[:, :, :, :n]
     fork.n_tokens = cache.n_tokens
     return fork
-
-
-def generate_with_prefix_cache(model, prefix, prefix_cache, request, n_tokens, seqlen):
-    """Greedy tokens [B, n_tokens] for the prompt prefix + request, the prefix's keys and values taken
-    from `prefix_cache` (dynamic, or a StaticKVCache that is forked, never written).
-
-    prefix: [B, P] the tokens `prefix_cache` holds; request: [B, R]. When P + R > seqlen the cached
-    positions cannot be reused exactly: the last seqlen tokens of the prompt are generated from
-    scratch, which is what generation without a prefix cache does. Returns (tokens, reused)."""
-    if prefix.shape[1] + request.shape[1] > seqlen:
-        return generate_kvcache(model, torch.cat([prefix, request], dim=1)[:, -seqlen:], n_tokens, seqlen), False
-    if isinstance(prefix_cache, StaticKVCache):
-        prefix_cache = fork_static_cache(prefix_cache)
-    return generate_kvcache(model, request, n_tokens, seqlen, kv_cache=prefix_cache), True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -99,7 +80,7 @@ def chain_keys(tokens, block_size):
 
 @dataclass
 class Generated:
-    tokens: torch.Tensor  # [1, n_tokens] the new tokens
+    tokens: torch.Tensor  # [1, S + n_tokens] the prompt (its last seqlen tokens), then the new tokens
     prompt_tokens: int    # tokens of the prompt (after keeping the last seqlen)
     hit_tokens: int       # of them, taken from the store
     fallback: bool        # the prompt was longer than seqlen: no reuse
@@ -252,11 +233,11 @@ class PrefixCache:
         n_hit = len(chain) * self.block_size
         first, prompt_cache = prefill(self.model, prompt[:, n_hit:], self.assemble(chain), seqlen)
         new, cache = decode_n_tokens(self.model, first, prompt_cache, n_tokens - 1, seqlen)
-        out = torch.cat([first] + new, dim=1)  # [1, n_tokens]
+        out = torch.cat([prompt, first] + new, dim=1)  # [1, S + n_tokens], as generate_kvcache returns
         if update:
             self.counts["hit_tokens"] += n_hit
             # the cache holds the prompt and every new token but the last; exact while nothing was dropped
-            seen = tokens + out[0, :-1].tolist()
+            seen = out[0, :-1].tolist()
             stored = self.insert(seen, cache) if len(seen) <= seqlen else self.insert(tokens, prompt_cache)
             self.release(stored)
         self.release(chain, touch=update)

@@ -131,7 +131,8 @@ def median_figures(runs):
 
 
 def reference_outputs(cached_model, requests, seqlen):
-    """Each request generated alone with generate_kvcache (greedy): what every scheduler must return."""
+    """Each request generated alone with generate_kvcache (greedy), its prompt followed by its new tokens
+    (1-D): what every scheduler must return."""
     return [generate_kvcache(cached_model, prompt[None], n, seqlen)[0] for prompt, n in requests]
 
 

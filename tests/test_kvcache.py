@@ -75,7 +75,7 @@ def test_greedy_tokens_with_both_caches_equal_no_cache_up_to_seqlen(tiny_models)
     expected = generate(base, prompt, n_tokens, SEQLEN)
     dynamic = generate_kvcache(cached, prompt, n_tokens, SEQLEN)
     static = generate_kvcache(cached, prompt, n_tokens, SEQLEN, kv_cache=StaticKVCache.for_model(cached, 4))
-    assert expected.shape == (4, n_tokens)
+    assert expected.shape == (4, 5 + n_tokens) and torch.equal(expected[:, :5], prompt)  # prompt, then new tokens
     assert torch.equal(dynamic, expected)
     assert torch.equal(static, expected)
 
@@ -87,13 +87,13 @@ def test_past_seqlen_generation_continues_and_the_cache_stays_bounded(tiny_model
     dynamic = generate_kvcache(cached, prompt, n_tokens, SEQLEN)
     static_cache = StaticKVCache.for_model(cached, 2)
     static = generate_kvcache(cached, prompt, n_tokens, SEQLEN, kv_cache=static_cache)
-    assert dynamic.shape == static.shape == (2, n_tokens)
+    assert dynamic.shape == static.shape == (2, 6 + n_tokens)
     # the rolling static buffer computes exactly what the dynamic cache computes, past seqlen too
     assert torch.equal(dynamic, static)
     assert len(static_cache) == SEQLEN and static_cache.n_tokens == 6 + n_tokens - 1
     # within the window the tokens are those of generation without a cache
     fit = SEQLEN - 6 + 1
-    assert torch.equal(dynamic[:, :fit], generate(base, prompt, fit, SEQLEN))
+    assert torch.equal(dynamic[:, :6 + fit], generate(base, prompt, fit, SEQLEN))
     # step by step: the cache never holds more than seqlen entries
     token, cache = decode_one_token(cached, prompt, None, SEQLEN)
     for _ in range(2 * SEQLEN):

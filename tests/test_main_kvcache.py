@@ -27,7 +27,9 @@ def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, c
         assert rows["dynamic KV cache"]["kv_cache_mb"] == pytest.approx(full)  # 64 + 69 > seqlen: full
         assert rows["no cache"]["kv_cache_mb"] is None
         for r in rows.values():
-            assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+            assert r["ttft_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+            # one noisy repeat: TPOT is a positive figure, or None when noise swallowed it; never negative
+            assert r["tpot_ms"] is None or r["tpot_ms"] > 0
         assert rows["no cache"]["val_loss"] == pytest.approx(rows["dynamic KV cache"]["val_loss"], abs=1e-5)
     assert set(result["tpot_sweep"]) == {"1", "2"}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,8 +5,7 @@ import torch
 
 from conftest import TINY
 from gptlite_kvcache import StaticKVCache, generate_kvcache
-from prefix_cache import (PrefixCache, chain_keys, compute_prefix_cache, fork_static_cache,
-                          generate_with_prefix_cache)
+from prefix_cache import PrefixCache, chain_keys, fork_static_cache
 
 SEQLEN = TINY["seqlen"]  # 16
 BS = 4  # blocks of 4 tokens: several blocks fit the tiny model's 16-token window
@@ -26,7 +25,7 @@ def test_post_experiment_same_tokens_and_the_shared_cache_is_never_modified(tiny
     _, model = tiny_models
     prefix, requests = random_tokens(2, 8), [random_tokens(2, 4, seed=s) for s in (2, 3, 4)]
     if kind == "dynamic":
-        shared = compute_prefix_cache(model, prefix)
+        _, shared = model(prefix)
         before = [(k.clone(), v.clone()) for k, v in shared]
     else:
         shared = StaticKVCache.for_model(model, 2)
@@ -34,14 +33,32 @@ def test_post_experiment_same_tokens_and_the_shared_cache_is_never_modified(tiny
         shared.n_tokens = prefix.shape[1]  # keep only the prefix's entries
         before = (shared.keys.clone(), shared.values.clone())
     for request in requests:  # 8 + 4 + 6 new tokens run past the 16-token window: still identical
-        tokens, reused = generate_with_prefix_cache(model, prefix, shared, request, 6, SEQLEN)
+        cache = shared if kind == "dynamic" else fork_static_cache(shared)
+        tokens = generate_kvcache(model, request, 6, SEQLEN, kv_cache=cache)  # the request, then its tokens
         expected = generate_kvcache(model, torch.cat([prefix, request], dim=1), 6, SEQLEN)
-        assert reused and torch.equal(tokens, expected)
+        assert torch.equal(tokens, expected[:, prefix.shape[1]:])
     if kind == "dynamic":
         assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(shared, before))
     else:
         assert torch.equal(shared.keys, before[0]) and torch.equal(shared.values, before[1])
         assert shared.n_tokens == prefix.shape[1]
+
+
+def test_the_posts_listing_one_request_at_a_time_equals_the_full_prompt(tiny_models):
+    from main_prefix_cache import no_prefix_caching, prefix_caching
+    _, model = tiny_models
+    prefix, requests = random_tokens(1, 7), [random_tokens(n, seed=n) for n in (3, 5, 2)]
+    with torch.no_grad():
+        cached = prefix_caching(model, prefix, requests, 5, SEQLEN)
+        plain = no_prefix_caching(model, prefix, requests, 5, SEQLEN)
+    for request, c, p in zip(requests, cached, plain):
+        assert c.shape == (1, len(request) + 5) and torch.equal(c[0, :len(request)], request)
+        assert torch.equal(p[:, :7], prefix) and torch.equal(c, p[:, 7:])
+        # independent reference: one token at a time, re-encoding the whole prompt each step
+        sequence = torch.cat([prefix[0], request])
+        for _ in range(5):
+            sequence = torch.cat([sequence, model(sequence[None])[0][0, -1].argmax()[None]])
+        assert torch.equal(p[0], sequence)
 
 
 def test_a_static_prefix_cache_used_in_place_would_be_modified(tiny_models):
@@ -55,14 +72,6 @@ def test_a_static_prefix_cache_used_in_place_would_be_modified(tiny_models):
     keys = shared.keys.clone()
     generate_kvcache(model, random_tokens(1, 4, seed=5), 3, SEQLEN, kv_cache=shared)
     assert not torch.equal(shared.keys, keys)
-
-
-def test_post_experiment_falls_back_when_prefix_and_request_exceed_the_window(tiny_models):
-    _, model = tiny_models
-    prefix, request = random_tokens(1, 12), random_tokens(1, 6, seed=2)
-    tokens, reused = generate_with_prefix_cache(model, prefix, compute_prefix_cache(model, prefix), request, 5, SEQLEN)
-    assert not reused
-    assert torch.equal(tokens, generate_kvcache(model, torch.cat([prefix, request], 1)[:, -SEQLEN:], 5, SEQLEN))
 
 
 def test_store_reuses_the_longest_prefix_and_gives_identical_tokens(tiny_models):
@@ -87,10 +96,10 @@ def test_multi_turn_conversation_prefills_only_the_new_message(tiny_models):
     hits = []
     for turn, message in enumerate(random_tokens(3, 3, seed=11)):
         if turn > 0:
-            prompt = torch.cat([prompt, answer, message])
+            prompt = torch.cat([conversation, message])
         out = store.generate(prompt, n_answer, SEQLEN)
         assert torch.equal(out.tokens, reference(model, prompt, n_answer)), f"turn {turn}"
-        answer = out.tokens[0]
+        conversation = out.tokens[0]  # the prompt (its last seqlen tokens) and the answer
         hits.append(out.hit_tokens)
     # turn 2 prompt: 3 + 4 + 3 = 10 tokens; the store holds turn 1's prompt and answer but its last
     # token (6 tokens: 1 block); turn 3 prompt: 17 > 16 tokens, the window is kept: fallback
@@ -102,9 +111,9 @@ def test_generated_tokens_are_stored_and_hit_on_the_next_turn(tiny_models):
     _, model = tiny_models
     store = PrefixCache(model, block_size=BS, capacity_tokens=64)
     prompt = random_tokens(5)
-    first = store.generate(prompt, 7, SEQLEN).tokens[0]  # the cache holds 5 + 6 = 11 tokens: 2 blocks
-    assert len(store) == 2
-    follow_up = torch.cat([prompt, first, random_tokens(2, seed=3)])  # 14 tokens
+    first = store.generate(prompt, 7, SEQLEN).tokens[0]  # prompt + answer; the cache holds 5 + 6 = 11 tokens
+    assert len(store) == 2 and torch.equal(first[:5], prompt)
+    follow_up = torch.cat([first, random_tokens(2, seed=3)])  # 14 tokens
     out = store.generate(follow_up, 2, SEQLEN)
     assert out.hit_tokens == 2 * BS  # the second block is made of generated tokens
     assert torch.equal(out.tokens, reference(model, follow_up, 2))
@@ -134,7 +143,7 @@ def test_hash_chain_same_prefix_same_chain_and_an_early_difference_misses_every_
 
 def fill(store, tokens):
     """Insert a chain as a finished request would, and release it."""
-    cache = compute_prefix_cache(store.model, torch.tensor(tokens)[None])
+    _, cache = store.model(torch.tensor(tokens)[None])
     store.release(store.insert(tokens, cache))
 
 
@@ -151,7 +160,7 @@ def test_lru_evicts_least_recently_used_unreferenced_blocks_first_and_never_one_
     assert len(store.lookup(b, touch=False)) == 0
     assert [len(store.lookup(x)) for x in (a, c)] == [2, 2]  # held now: referenced
     d = random_tokens(2 * BS, seed=23).tolist()
-    chain = store.insert(d, compute_prefix_cache(model, torch.tensor(d)[None]))
+    chain = store.insert(d, model(torch.tensor(d)[None])[1])
     assert chain == [] and store.stats()["not_stored"] == 2  # every block in use: d is not stored
     assert len(store) == 4 and store.stats()["evictions"] == 2
 
