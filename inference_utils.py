@@ -596,8 +596,11 @@ def run(main):
 
 COLUMNS = [  # key, header, format
     ("variant", "variant", "{}"),
-    ("ttft_ms", "TTFT ms", "{:.2f}"),
+    ("ttft_ms", "TTFT ms", "{:.2f}"),  # one generation: prefill + the first token
+    ("ttft_arrival_ms", "TTFT arrival ms", "{:.1f}"),  # serving: from the request's arrival, queueing included
+    ("ttft_arrival_p99_ms", "p99", "{:.1f}"),
     ("tpot_ms", "TPOT ms", "{:.3f}"),
+    ("tpot_p99_ms", "p99", "{:.3f}"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
     ("peak_mem_mb", "peak MB", "{:.2f}"),
     ("kv_cache_mb", "KV MB", "{:.3f}"),

@@ -61,6 +61,9 @@ def continuous_batching(model, requests, batch_size, seqlen, clock=None):
     return sequences, n_steps
 
 
+VARIANTS = ("static", "continuous", "paged", "chunked")  # --variants: the names of run_variants' variants
+
+
 def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, memory=False):
     """Each variant on the trace: {name: [(outputs, figures) per run]}; with `memory`, one more (untimed)
     run of each variant gives its peak memory, figures["peak_mem_mb"] of every run."""
@@ -74,11 +77,12 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, mem
         return serve
 
     variants = {
-        "static batching": lambda r, c: (static_batching(base, r, batch_size, seqlen, c)[0], {}),
-        "continuous batching": lambda r, c: (continuous_batching(base, r, batch_size, seqlen, c)[0], {}),
-        "paged, whole prompts": engine(None),
-        f"paged, chunked prefill {args.chunk_size}": engine(args.chunk_size),
+        "static": ("static batching", lambda r, c: (static_batching(base, r, batch_size, seqlen, c)[0], {})),
+        "continuous": ("continuous batching", lambda r, c: (continuous_batching(base, r, batch_size, seqlen, c)[0], {})),
+        "paged": ("paged, whole prompts", engine(None)),
+        "chunked": (f"paged, chunked prefill {args.chunk_size}", engine(args.chunk_size)),
     }
+    variants = dict(variants[key] for key in args.variants)  # the subset asked for, in this order
     for serve in variants.values():
         serve(requests[:2], serving.ServingClock.offline(requests[:2], device))  # warm-up
     results = {name: [] for name in variants}
@@ -99,23 +103,21 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, mem
     return results
 
 
-def make_rows(results, reference, val_loss):
+def make_rows(results, reference):
     """A row per variant: the median of each figure over the repeats; `same` only if every run matched."""
     rows = []
     for name, runs in results.items():
         figures = serving.median_figures([f for _, f in runs])
         same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
-        rows.append(iu.make_row(name, val_loss=val_loss, kv_cache_mb=figures.pop("kv_cache_mb", None),
-                                peak_mem_mb=figures.pop("peak_mem_mb", None),
-                                steps=figures.pop("steps"), wasted=figures.pop("wasted_slot_steps"),
-                                **{k: figures.pop(k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s",
-                                                               "ttft_p99_ms", "tpot_p99_ms")},
-                                kv_util=figures.get("kv_util"), kv_util_contig=figures.get("kv_util_contiguous"),
+        kv_util, contiguous = figures.get("kv_util"), figures.get("kv_util_contiguous")
+        rows.append(iu.make_row(name, kv_cache_mb=figures.get("kv_cache_mb"), peak_mem_mb=figures.get("peak_mem_mb"),
+                                **{k: figures[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
+                                                           "tpot_p99_ms", "tokens_per_s")},
+                                steps=figures["steps"], wasted=figures["wasted_slot_steps"],
+                                kv_util=None if kv_util is None else round(kv_util, 3),
+                                kv_contig=None if contiguous is None else round(contiguous, 3),
                                 preempted=figures.get("preemptions"),
                                 same=next((s for s in same if s != "yes"), "yes")))
-    for row in rows:
-        for key in ("kv_util", "kv_util_contig"):
-            row[key] = None if row[key] is None else round(row[key], 3)
     return rows
 
 
@@ -134,26 +136,58 @@ def plot_sweep(sweep, path, preset, device, rate):
     iu.save_plot(fig, path)
 
 
-def main(argv=None):
+def summary_lines(rows, args, device):
+    """The ratios of the post's claims, where the variants they compare were run."""
+    by_name = {r["variant"]: r for r in rows}
+    lines = [iu.peak_memory_label(device)]
+    if {"static batching", "continuous batching"} <= set(by_name):
+        speedup = iu.ratio(by_name["continuous batching"]["tokens_per_s"], by_name["static batching"]["tokens_per_s"])
+        lines.append(f"continuous / static throughput: {speedup:.2f}x")
+    chunked = f"paged, chunked prefill {args.chunk_size}"
+    if {"paged, whole prompts", chunked} <= set(by_name):
+        lines.append(f"p99 TPOT whole prompts {by_name['paged, whole prompts']['tpot_p99_ms']:.2f} ms, "
+                     f"chunked prefill {by_name[chunked]['tpot_p99_ms']:.2f} ms")
+    return lines
+
+
+def batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device):
+    """Throughput and p99 TPOT of every variant at each --plot-batch-sizes; returns the sweep and its rows."""
+    sweep, rows = {"batch_sizes": sorted(args.plot_batch_sizes), "variants": {}}, []
+    for batch_size in sweep["batch_sizes"]:
+        for row in make_rows(run_variants(base, requests, arrivals, batch_size, args, seqlen, device), reference):
+            rows.append(row)
+            points = sweep["variants"].setdefault(row["variant"], {"tokens_per_s": [], "tpot_p99_ms": []})
+            points["tokens_per_s"].append(row["tokens_per_s"])
+            points["tpot_p99_ms"].append(row["tpot_p99_ms"])
+    return sweep, rows
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
     serving.add_trace_args(parser, n_requests=64, rate=200.0)
-    parser.add_argument("--batch-size", type=int, default=8, help="batch slots of every variant")
-    parser.add_argument("--block-size", type=int, default=8, help="tokens per KV block of the paged engine")
-    parser.add_argument("--n-blocks", type=int, default=None,
+    at_least = iu.int_at_least
+    parser.add_argument("--batch-size", type=at_least(1), default=8, help="batch slots of every variant")
+    parser.add_argument("--block-size", type=at_least(1), default=8, help="tokens per KV block of the paged engine")
+    parser.add_argument("--n-blocks", type=at_least(1), default=None,
                         help="KV blocks in the pool (default: batch-size * seqlen / block-size, a contiguous cache's memory)")
-    parser.add_argument("--chunk-size", type=int, default=16, help="prefill tokens per step with chunked prefill")
-    parser.add_argument("--plot-batch-sizes", type=int, nargs="+", default=[2, 4, 8, 16],
+    parser.add_argument("--chunk-size", type=at_least(1), default=16, help="prefill tokens per step with chunked prefill")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="the variants to run (default: all): static and continuous batching (the post's, no "
+                             "cache), the paged engine with whole prompts, with chunked prefill")
+    parser.add_argument("--plot-batch-sizes", type=at_least(1), nargs="+", default=[2, 4, 8, 16],
                         help="batch sizes of the --plot sweep")
     args = parser.parse_args(argv)
+    if len(set(args.variants)) != len(args.variants):
+        parser.error(f"--variants repeats a name: {args.variants}")
+    return parser, args
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
 
     def check_args(preset):
         serving.check_trace_args(args, parser, preset.seqlen)
-        for flag, value in [("--batch-size", args.batch_size), ("--block-size", args.block_size),
-                            ("--chunk-size", args.chunk_size), ("--plot-batch-sizes", min(args.plot_batch_sizes)),
-                            ("--n-blocks", 1 if args.n_blocks is None else args.n_blocks)]:
-            if value < 1:
-                parser.error(f"{flag} must be at least 1, got {value}")
         if args.block_size > preset.seqlen:
             parser.error(f"--block-size must be at most seqlen={preset.seqlen}, got {args.block_size}")
         if args.n_blocks is not None and args.n_blocks * args.block_size < preset.seqlen - 1:
@@ -163,49 +197,39 @@ def main(argv=None):
 
     preset, device, data = iu.setup(args, parser, check_args)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
-    cached = GPTlite_KVCache(**preset.model_config()).to(device).eval()
-    cached.load_state_dict(base.state_dict())
     seqlen = preset.seqlen
     requests, arrivals = serving.make_trace(data.val, args.n_requests, args.rate, seqlen, args.prompt_median,
                                             args.output_median, seed=args.seed, device=device)
-    reference = serving.reference_outputs(cached, requests, seqlen)  # correctness first
+    reference = serving.reference_outputs(GPTlite_KVCache.from_model(base), requests, seqlen)  # correctness first
     val_loss = iu.validation_loss(base, data)
 
     results = run_variants(base, requests, arrivals, args.batch_size, args, seqlen, device, memory=True)
-    rows = make_rows(results, reference, val_loss)
+    rows = make_rows(results, reference)
     prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
     print(f"\ntrace: {len(requests)} requests, Poisson arrivals at {args.rate:g}/s over {arrivals[-1]:.2f} s, "
           f"prompt lengths p50/p99/max {np.percentile(prompt_lens, 50):.0f}/{np.percentile(prompt_lens, 99):.0f}/"
           f"{max(prompt_lens)}, output lengths {np.percentile(output_lens, 50):.0f}/{np.percentile(output_lens, 99):.0f}/"
-          f"{max(output_lens)}; batch size {args.batch_size}, KV blocks of {args.block_size} tokens")
-    print(f"median of {args.repeats} runs per variant, round-robin. TTFT/TPOT ms: p50 over requests, from arrival "
-          "(p99 in the extra columns); tok/s: new tokens per second of steps; wasted: batch rows whose token was "
-          "dropped; kv_util: tokens held / slots reserved, summed over steps (paged pool: allocated blocks); "
-          "kv_util_contig: the same against seqlen slots per running sequence")
+          f"{max(output_lens)}; batch size {args.batch_size}, KV blocks of {args.block_size} tokens; "
+          f"validation loss {val_loss:.4f} (one model for every variant)")
+    print(f"median of {args.repeats} runs per variant, round-robin. TTFT arrival: p50 over requests from their "
+          "arrival, queueing included (then its p99); TPOT p50 and p99 over requests; tok/s: new tokens per second "
+          "of steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved, summed over "
+          "steps (paged pool: allocated blocks); kv_contig: the same against seqlen slots per running sequence")
     iu.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
-    tput = {r["variant"]: r["tokens_per_s"] for r in rows}
-    tpot99 = [r["tpot_p99_ms"] for r in rows]
-    print(f"continuous / static throughput: {tput['continuous batching'] / tput['static batching']:.2f}x; "
-          f"p99 TPOT whole prompts {tpot99[2]:.2f} ms, chunked prefill {tpot99[3]:.2f} ms")
+    summary = summary_lines(rows, args, device)
+    print("\n".join(summary))
 
-    sweep, checked = None, list(rows)
+    sweep, sweep_rows = None, []
     if args.plot:
-        sweep = {"batch_sizes": sorted(args.plot_batch_sizes), "variants": {}}
-        for batch_size in sweep["batch_sizes"]:
-            for row in make_rows(run_variants(base, requests, arrivals, batch_size, args, seqlen, device),
-                                 reference, val_loss):
-                checked.append(row)
-                points = sweep["variants"].setdefault(row["variant"], {"tokens_per_s": [], "tpot_p99_ms": []})
-                points["tokens_per_s"].append(row["tokens_per_s"])
-                points["tpot_p99_ms"].append(row["tpot_p99_ms"])
+        sweep, sweep_rows = batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device)
         plot_sweep(sweep, args.plot, preset, device, args.rate)
     if args.json:
         iu.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
+                     val_loss=val_loss, summary=summary,
                      trace={"n_requests": len(requests), "rate": args.rate if np.isfinite(args.rate) else "inf",
                             "arrivals": arrivals, "prompt_lens": prompt_lens, "output_lens": output_lens},
                      batch_size=args.batch_size, block_size=args.block_size, sweep=sweep)
-    failures = sorted({r["variant"] for r in checked if r["same"] != "yes"})
+    failures = sorted({r["variant"] for r in rows + sweep_rows if r["same"] != "yes"})
     if failures:
         raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
 

@@ -78,23 +78,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
     serving.add_trace_args(parser, n_requests=64)  # offline: every request at time 0
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
+    parser.add_argument("--batch-sizes", type=iu.int_at_least(1), nargs="+", default=[1, 8],
                         help="requests per static batch, a row each")
     args = parser.parse_args(argv)
 
     def check_args(preset):
         serving.check_trace_args(args, parser, preset.seqlen)
-        if min(args.batch_sizes) < 1 or len(set(args.batch_sizes)) != len(args.batch_sizes):
-            parser.error(f"--batch-sizes must be distinct and at least 1, got {args.batch_sizes}")
+        if len(set(args.batch_sizes)) != len(args.batch_sizes):
+            parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
 
     preset, device, data = iu.setup(args, parser, check_args)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
-    cached = GPTlite_KVCache(**preset.model_config()).to(device).eval()
-    cached.load_state_dict(base.state_dict())
     seqlen = preset.seqlen
     requests, _ = serving.make_trace(data.val, args.n_requests, float("inf"), seqlen, args.prompt_median,
                                      args.output_median, seed=args.seed, device=device)
-    reference = serving.reference_outputs(cached, requests, seqlen)
+    reference = serving.reference_outputs(GPTlite_KVCache.from_model(base), requests, seqlen)
     val_loss = iu.validation_loss(base, data)
 
     static_batching(base, requests[:2], 2, seqlen)  # warm-up
@@ -109,14 +107,14 @@ def main(argv=None):
     bar.close()
     peaks = {batch_size: iu.peak_memory_mb(lambda: static_batching(base, requests, batch_size, seqlen), device)  # noqa: B023
              for batch_size in args.batch_sizes}  # one more, untimed run each
-    rows = [iu.make_row(f"static batching, batch {batch_size}", val_loss=val_loss, peak_mem_mb=peaks[batch_size],
+    rows = [iu.make_row(f"static batching, batch {batch_size}", peak_mem_mb=peaks[batch_size],
                         **serving.median_figures([figures for figures, _ in batch_runs]),
                         same=next((same for _, same in batch_runs if same != "yes"), "yes"))
             for batch_size, batch_runs in runs.items()]
     n_new = sum(n for _, n in requests)
     print(f"\n{len(requests)} requests at time 0, {n_new} new tokens in all, no KV cache (the post's next_tokens); "
-          f"TTFT/TPOT: p50 (and p99) over requests, from arrival; tok/s: new tokens per second of steps; "
-          f"median of {args.repeats} runs")
+          f"TTFT arrival: p50 (then p99) over requests, from their arrival; TPOT: p50 and p99 over requests; "
+          f"tok/s: new tokens per second of steps; median of {args.repeats} runs; validation loss {val_loss:.4f}")
     iu.print_table(rows, untrained=args.untrained)
     print(iu.peak_memory_label(device))
     if args.plot:
@@ -126,7 +124,8 @@ def main(argv=None):
         iu.save_plot(fig, args.plot)
     if args.json:
         iu.save_json(args.json, "main_static_batching.py", preset, device, rows, untrained=args.untrained,
-                     n_requests=len(requests), n_new_tokens=n_new)
+                     val_loss=val_loss, n_requests=len(requests), n_new_tokens=n_new,
+                     summary=[iu.peak_memory_label(device)])
     failures = [r["variant"] for r in rows if r["same"] != "yes"]
     if failures:
         raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")

@@ -111,7 +111,7 @@ class ServingClock:
 
 
 def latency_figures(clock):
-    """p50/p99 TTFT and TPOT (ms, from arrival) and throughput (tokens per busy second) of a finished run."""
+    """p50/p99 TTFT from arrival and TPOT (ms) and throughput (tokens per busy second) of a finished run."""
     if None in clock.last:
         raise RuntimeError(f"{clock.last.count(None)} requests never finished; this is a bug")
     ttft = [(f - a) * 1e3 for f, a in zip(clock.first, clock.arrivals)]
@@ -119,9 +119,8 @@ def latency_figures(clock):
     tpot = tpot or [0.0]
     n_generated = sum(clock.n_tokens)
     ms = lambda values, q: round(float(np.percentile(values, q)), 3)  # noqa: E731  (all rounded alike: p50 <= p99 stays true)
-    return dict(ttft_ms=ms(ttft, 50), tpot_ms=ms(tpot, 50),
-                tokens_per_s=n_generated / clock.busy if clock.busy > 0 else None,
-                ttft_p99_ms=ms(ttft, 99), tpot_p99_ms=ms(tpot, 99),
+    return dict(ttft_arrival_ms=ms(ttft, 50), ttft_arrival_p99_ms=ms(ttft, 99), tpot_ms=ms(tpot, 50),
+                tpot_p99_ms=ms(tpot, 99), tokens_per_s=n_generated / clock.busy if clock.busy > 0 else None,
                 steps=clock.n_steps, wasted_slot_steps=max(clock.slot_steps - n_generated, 0))
 
 
@@ -144,23 +143,20 @@ def same_outputs(outputs, reference):
 
 def add_trace_args(parser, n_requests=64, rate=None):
     """The trace's flags; rate=None: an offline trace, every request at time 0 (no --rate flag)."""
-    parser.add_argument("--n-requests", type=int, default=n_requests, help="requests in the trace")
+    parser.add_argument("--n-requests", type=iu.int_at_least(1), default=n_requests, help="requests in the trace")
     if rate is not None:
         parser.add_argument("--rate", type=float, default=rate,
                             help="Poisson arrival rate, requests per second (inf: every request at time 0)")
-    parser.add_argument("--prompt-median", type=int, default=32, help="median prompt length (log-normal)")
-    parser.add_argument("--output-median", type=int, default=16, help="median output length (log-normal, long tail)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--prompt-median", type=iu.int_at_least(1), default=32, help="median prompt length (log-normal)")
+    parser.add_argument("--output-median", type=iu.int_at_least(1), default=16,
+                        help="median output length (log-normal, long tail)")
+    parser.add_argument("--repeats", type=iu.int_at_least(1), default=3,
                         help="runs of the trace per variant, round-robin, after a warm-up; each figure is the median")
 
 
 def check_trace_args(args, parser, seqlen):
-    if args.n_requests < 1:
-        parser.error(f"--n-requests must be at least 1, got {args.n_requests}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
-    if not getattr(args, "rate", 1) > 0:
+    if not getattr(args, "rate", 1) > 0:  # inf is allowed: every request at time 0
         parser.error(f"--rate must be above 0 requests per second, got {args.rate}")
     for flag, value in [("--prompt-median", args.prompt_median), ("--output-median", args.output_median)]:
-        if not 1 <= value < seqlen:
+        if value >= seqlen:
             parser.error(f"{flag} must be between 1 and seqlen-1={seqlen - 1}, got {value}")

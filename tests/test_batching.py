@@ -107,7 +107,7 @@ def test_requests_join_only_after_they_arrive(tiny_models):
         for arrival, first, last in zip(arrivals, clock.first, clock.last):
             assert arrival < first <= last < arrival + 1e3
         figures = serving.latency_figures(clock)
-        assert 0 < figures["ttft_ms"] <= figures["ttft_p99_ms"] and figures["tokens_per_s"] > 0
+        assert 0 < figures["ttft_arrival_ms"] <= figures["ttft_arrival_p99_ms"] and figures["tokens_per_s"] > 0
 
 
 def test_trace_is_seeded_long_tailed_and_fits_the_window():
@@ -154,6 +154,7 @@ def test_main_static_batching_end_to_end(real_data, tmp_path, capsys):
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["same"] for r in rows] == ["yes", "yes"]
     assert rows[0]["wasted_slot_steps"] == 0 and rows[1]["steps"] <= rows[0]["steps"]
+    assert all(r["ttft_ms"] is None and r["ttft_arrival_ms"] <= r["ttft_arrival_p99_ms"] for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["tpot_p99_ms"] >= r["tpot_ms"] for r in rows)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -175,6 +176,19 @@ def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_main_continuous_batching_runs_only_the_variants_asked_for(real_data, tmp_path, capsys):
+    out_json = tmp_path / "c.json"
+    main_continuous_batching.main(TINY_TRACE + ["--repeats", "1", "--batch-size", "2", "--variants", "chunked", "static",
+                                                "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert [r["variant"] for r in result["rows"]] == ["paged, chunked prefill 16", "static batching"]
+    assert all(r["same"] == "yes" for r in result["rows"])
+    assert "continuous / static throughput" not in printed  # its two variants were not both run
+    header = [c[1] for c in result["columns"]]
+    assert "TTFT arrival ms" in header and "TTFT ms" not in header  # from arrival, not one generation's TTFT
+
+
 @pytest.mark.parametrize("script, flags", [
     (main_static_batching, ["--batch-sizes", "0"]), (main_static_batching, ["--batch-sizes", "2", "2"]),
     (main_static_batching, ["--n-requests", "0"]), (main_static_batching, ["--rate", "5"]),
@@ -184,7 +198,8 @@ def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
     (main_continuous_batching, ["--n-blocks", "15"]), (main_continuous_batching, ["--block-size", "129"]),
     (main_continuous_batching, ["--prompt-median", "128"]), (main_continuous_batching, ["--output-median", "0"]),
     (main_continuous_batching, ["--plot-batch-sizes", "0"]), (main_continuous_batching, ["--bogus"]),
-    (main_continuous_batching, ["--plot", "out.txt"])])
+    (main_continuous_batching, ["--plot", "out.txt"]), (main_continuous_batching, ["--variants", "fast"]),
+    (main_continuous_batching, ["--variants", "paged", "paged"])])
 def test_bad_flags_are_clear_errors_before_any_work(script, flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
