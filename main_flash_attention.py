@@ -96,14 +96,8 @@ def sdpa_kernels_run(fn):
 
 
 def check_args(args, parser, seqlen):
-    if not 1 <= args.prompt_len <= seqlen:
-        parser.error(f"--prompt-len must be between 1 and the model's seqlen={seqlen}, got {args.prompt_len}")
-    for flag, value, low in [("--n-tokens", args.n_tokens, 2), ("--batch-size", args.batch_size, 1),
-                             ("--repeats", args.repeats, 1), ("--val-batches", args.val_batches, 1),
-                             ("--contexts", min(args.contexts), 1), ("--bench-batch", args.bench_batch, 1),
-                             ("--bench-repeats", args.bench_repeats, 1), ("--window", args.window, 1)]:
-        if value < low:
-            parser.error(f"{flag} must be at least {low}, got {value}")
+    if args.prompt_len > seqlen:
+        parser.error(f"--prompt-len must be at most the model's seqlen={seqlen}, got {args.prompt_len}")
     if args.contexts != sorted(set(args.contexts)):
         parser.error(f"--contexts must be increasing without repeats, got {args.contexts}")
 
@@ -128,7 +122,7 @@ def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, va
     with torch.inference_mode():
         ref_full, ref_chunked = naive(x)[0], chunked_logits(naive)
         ref_tokens = generate_kvcache(naive, prompts, n_tokens, seqlen)
-        held = torch.cat([prompts, ref_tokens[:, :-1]], dim=1)[:, -seqlen:]  # what the cache holds at the end
+        held = ref_tokens[:, :-1][:, -seqlen:]  # prompt + new tokens but the last: what the cache holds at the end
         kv_mb = iu.kv_cache_bytes(naive(held)[1]) / 2**20  # the same cache for every variant
     fns, found, rows = {}, {}, {}
     for name, (model, backend) in variants.items():
@@ -187,27 +181,30 @@ def long_context(args, n_heads, d_head, device):
           f"(flex: sliding-window causal), median of {args.bench_repeats} runs, peak MB above the inputs")
     print(ab.format_results(bench))
     naive_ms, naive_mb, sdpa_ms, sdpa_mb = (bench[k][f][-1] for k in ("naive", "SDPA") for f in ("ms", "peak_mb"))
-    print(f"at n={args.contexts[-1]}: SDPA's peak attention memory is {naive_mb / max(sdpa_mb, 1e-6):.0f}x below "
-          f"naive's, and SDPA is {naive_ms / sdpa_ms:.1f}x faster")
-    return bench, flex_diff, flex_note
+    summary = (f"at n={args.contexts[-1]}: SDPA's peak attention memory is {naive_mb / max(sdpa_mb, 1e-6):.0f}x "
+               f"below naive's, and SDPA is {naive_ms / sdpa_ms:.1f}x faster")
+    print(summary)
+    return bench, flex_diff, flex_note, summary
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt length in characters")
-    parser.add_argument("--n-tokens", type=int, default=64, help="new tokens generated per prompt (at least 2)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
-    parser.add_argument("--repeats", type=int, default=5,
+    at_least = iu.int_at_least
+    parser.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt length in characters")
+    parser.add_argument("--n-tokens", type=at_least(2), default=64, help="new tokens generated per prompt")
+    parser.add_argument("--batch-size", type=at_least(1), default=8, help="prompts generated together")
+    parser.add_argument("--repeats", type=at_least(1), default=5,
                         help="timed runs per figure, median taken (after one warm-up)")
-    parser.add_argument("--val-batches", type=int, default=20, help="validation batches (of 32 x seqlen) for the loss")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192],
+    parser.add_argument("--val-batches", type=at_least(1), default=20,
+                        help="validation batches (of 32 x seqlen) for the loss")
+    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192],
                         help="context lengths of the long-context attention benchmark, increasing")
-    parser.add_argument("--bench-batch", type=int, default=1,
+    parser.add_argument("--bench-batch", type=at_least(1), default=1,
                         help="batch of the long-context benchmark (naive attention holds batch*heads*n^2 scores)")
-    parser.add_argument("--bench-repeats", type=int, default=3,
+    parser.add_argument("--bench-repeats", type=at_least(1), default=3,
                         help="timed runs per context length, median taken (naive attention at 8,192 takes seconds)")
-    parser.add_argument("--window", type=int, default=256, help="FlexAttention's sliding window, in tokens")
+    parser.add_argument("--window", type=at_least(1), default=256, help="FlexAttention's sliding window, in tokens")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (it compiles a kernel first)")
     args = parser.parse_args(argv)
     preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
@@ -223,14 +220,14 @@ def main(argv=None):
     print(iu.peak_memory_label(device))
 
     H, D = preset.n_heads, preset.d_head
-    bench, flex_diff, flex_note = long_context(args, H, D, device)
+    bench, flex_diff, flex_note, summary = long_context(args, H, D, device)
     if args.plot:
         ab.plot(bench, args.plot, f"attention, {H} heads of {D}, batch {args.bench_batch} ({device})")
     if args.json:
         iu.save_json(args.json, "main_flash_attention.py", preset, device, rows, untrained=args.untrained,
                      prompt_len=args.prompt_len, n_tokens=args.n_tokens, batch_size=args.batch_size,
                      long_context=bench, bench_batch=args.bench_batch, window=args.window,
-                     flex_max_diff=flex_diff, flex_note=flex_note)
+                     flex_max_diff=flex_diff, flex_note=flex_note, summary=[iu.peak_memory_label(device), summary])
     failures = [r["variant"] for r in rows if r.get("ok") == "NO"]
     if flex_diff is not None and flex_diff > FLEX_ATOL:
         failures.append(f"flex attention (max |diff| {flex_diff:.1e} > {FLEX_ATOL})")
