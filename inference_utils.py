@@ -620,7 +620,7 @@ def float_format(values):
     4), so that 0.940 stands beside 0.938, not 0.94; integers as integers."""
     if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         return "{}"
-    decimals = max(len(f"{v:.4f}".rstrip("0").split(".")[1]) for v in values)
+    decimals = max((len(f"{v:.4f}".rstrip("0").split(".")[1]) for v in values if math.isfinite(v)), default=0)
     return f"{{:.{decimals}f}}"
 
 

@@ -294,3 +294,12 @@ def test_json_has_the_common_schema(tmp_path):
     assert set(result["rows"][0]) >= {"variant", "ttft_ms", "tpot_ms", "tokens_per_s", "peak_mem_mb",
                                       "kv_cache_mb", "val_loss"}
     assert result["rows"][0]["tpot_ms"] is None
+
+
+def test_extra_columns_share_one_format_and_non_finite_numbers_print():
+    rows = [iu.make_row("a", ttft_ms=1.0, util=0.94, n=3, ratio=float("inf")),
+            iu.make_row("b", ttft_ms=2.0, util=0.938, n=4, ratio=1.5, same="yes")]
+    lines = iu.format_table(rows).splitlines()
+    assert lines[0].split() == ["variant", "TTFT", "ms", "util", "n", "ratio", "same"]  # unused standard columns left out
+    assert lines[2].split() == ["a", "1.00", "0.940", "3", "inf", "-"]
+    assert lines[3].split() == ["b", "2.00", "0.938", "4", "1.5", "yes"]

@@ -4,7 +4,6 @@ at a time, an explicit softmax, the original model with heads and neurons masked
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import inference_utils as iu
 from conftest import TINY
