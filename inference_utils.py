@@ -122,7 +122,10 @@ def _download(path):
         raise DataError(f"no data file found and the download failed ({e}). {data_help()}") from None
     if hashlib.sha256(raw).hexdigest() != DATA_SHA256:
         raise DataError(f"the downloaded file is not the canonical tiny Shakespeare (sha256 differs). {data_help()}")
-    atomic_write_bytes(raw, path)
+    try:
+        atomic_write_bytes(raw, path)
+    except OSError as e:
+        raise DataError(f"downloaded tiny Shakespeare but cannot write it to {path} ({e}). {data_help()}") from None
 
 
 def load_data(path=None):
@@ -133,16 +136,19 @@ def load_data(path=None):
         path, source = Path(os.environ["GPTLITE_DATA"]), "GPTLITE_DATA"
     else:
         path, source = DEFAULT_DATA, None
-    if not path.is_file():
-        if source is not None:  # an explicit path that is wrong is an error, not a reason to download
-            raise DataError(f"{source} points at {path}, which is not a file. {data_help()}")
-        _download(path)
-    raw = path.read_bytes()
+    try:
+        if not path.is_file():
+            if source is not None:  # an explicit path that is wrong is an error, not a reason to download
+                raise DataError(f"{source} points at {path}, which is not a file. {data_help()}")
+            _download(path)
+        raw = path.read_bytes()
+    except OSError as e:  # permission denied, a folder in the way, ...
+        raise DataError(f"cannot read {path} ({e}). {data_help()}") from None
     digest = hashlib.sha256(raw).hexdigest()
-    if digest != DATA_SHA256:
+    if digest != DATA_SHA256:  # before decoding: a file that is not UTF-8 fails here, with what to do
         raise DataError(f"{path} is not the canonical tiny Shakespeare ({len(raw):,} bytes, sha256 {digest}; "
                         f"expected {DATA_BYTES:,} bytes, sha256 {DATA_SHA256}). Replace it. {data_help()}")
-    text = raw.decode("utf-8")
+    text = raw.decode("ascii")  # the canonical file is ASCII: the hash above guarantees it
     vocab = "".join(sorted(set(text)))
     table = torch.zeros(256, dtype=torch.long)  # byte -> token id (the canonical file is ASCII)
     for i, c in enumerate(vocab):

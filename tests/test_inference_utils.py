@@ -1,7 +1,15 @@
 """Data, checkpoints, training, memory and reporting helpers, and their clear errors."""
+import hashlib
 import io
 import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
 import urllib.error
+import zipfile
 from dataclasses import replace
 
 import pytest
@@ -85,6 +93,57 @@ def test_a_download_with_the_wrong_hash_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(iu.DataError, match="downloaded file is not the canonical"):
         iu.load_data()
     assert not default.exists()
+
+
+def test_a_data_path_that_is_not_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    for path in (tmp_path, tmp_path / "a_file" / "below_a_file.txt"):  # a folder; a parent that is a file
+        with pytest.raises(iu.DataError, match="--data points at .*which is not a file"):
+            iu.load_data(path)
+
+
+def test_an_unreadable_data_file_is_a_clear_error(tmp_path, monkeypatch):
+    path = tmp_path / "tinyshakespeare.txt"
+    path.write_text("x")
+
+    def denied(self):  # chmod cannot provoke it when the tests run as root
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(iu.Path, "read_bytes", denied)
+    with pytest.raises(iu.DataError, match="cannot read .*Permission denied.*GPTLITE_DATA"):
+        iu.load_data(path)
+
+
+def test_a_data_file_that_is_not_utf8_fails_the_hash_check(tmp_path):
+    path = tmp_path / "tinyshakespeare.txt"
+    path.write_bytes(b"\xff\xfe not UTF-8 \x80")
+    with pytest.raises(iu.DataError, match="not the canonical tiny Shakespeare"):
+        iu.load_data(path)
+
+
+@pytest.mark.parametrize("in_the_way", ["folder", "file above"])
+def test_a_download_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch, in_the_way):
+    monkeypatch.delenv("GPTLITE_DATA", raising=False)
+    if in_the_way == "folder":  # data/tinyshakespeare.txt is a folder: the rename onto it fails
+        default = tmp_path / "data" / "tinyshakespeare.txt"
+        default.mkdir(parents=True)
+    else:  # data is a file: the folder cannot be made
+        (tmp_path / "data").write_text("x")
+        default = tmp_path / "data" / "tinyshakespeare.txt"
+    monkeypatch.setattr(iu, "DEFAULT_DATA", default)
+    fake = b"a canonical file, for this test"
+    monkeypatch.setattr(iu, "DATA_SHA256", hashlib.sha256(fake).hexdigest())
+
+    class Response(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(iu.urllib.request, "urlopen", lambda *a, **k: Response(fake))
+    with pytest.raises(iu.DataError, match="cannot write it to"):
+        iu.load_data()
 
 
 def test_sample_prompts_are_fixed_by_the_seed(real_data):
