@@ -37,6 +37,10 @@ class CheckpointError(GPTliteError):
     pass
 
 
+class TrainingDiverged(GPTliteError):
+    """The loss became NaN or infinite: raised before anything is saved."""
+
+
 # ----------------------------------------------------------------------------------------------------
 # Presets: plain data, one place.
 
@@ -203,6 +207,13 @@ def cross_entropy_loss(model, x, y):
     return F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
 
 
+def check_finite(loss, step, n_steps, lr, what):
+    """Stop a diverged run at once: its weights are useless, and the callers save only after training."""
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"training diverged: the {what} is {loss} at step {step} of {n_steps} "
+                               f"(peak learning rate {lr:g}); rerun with a lower learning rate. Nothing was saved.")
+
+
 def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_interval=None,
                 loss_fn=cross_entropy_loss, desc="training"):
     """Train `model` for `n_steps` AdamW steps (warm-up, cosine decay, gradient clipping at 1.0).
@@ -231,12 +242,14 @@ def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_inter
             group["lr"] = lr_at(step)
         x, y = get_batch(data.train, batch_size, seqlen, generator, device)
         loss = loss_fn(model, x, y)
+        check_finite(loss.item(), step + 1, n_steps, lr, "training loss")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if (step + 1) % eval_interval == 0 or step + 1 == n_steps:
             history.append({"step": step + 1, "val_loss": validation_loss(model, data, n_batches=10)})
+            check_finite(history[-1]["val_loss"], step + 1, n_steps, lr, "validation loss")  # the last update
             model.train()
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history[-1]['val_loss']:.3f}")
         elif step % 10 == 0:

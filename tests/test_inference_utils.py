@@ -277,6 +277,33 @@ def test_a_short_training_run_lowers_the_validation_loss(real_data):
     assert not model.training
 
 
+def an_infinite_loss(model, x, y):
+    return iu.cross_entropy_loss(model, x, y) * math.inf
+
+
+@pytest.mark.parametrize("n_steps, lr, loss_fn, message", [
+    (3, 1e-3, an_infinite_loss, "training loss is inf at step 1 of 3"),
+    (20, 1e30, iu.cross_entropy_loss, r"training loss is (nan|inf) at step \d+ of 20"),
+    (1, 1e30, iu.cross_entropy_loss, "validation loss is (nan|inf) at step 1 of 1"),  # the last update diverges
+])
+def test_a_diverging_run_stops_with_a_clear_error(n_steps, lr, loss_fn, message):
+    data = synthetic_data()
+    torch.manual_seed(0)
+    model = GPTlite(**tiny_preset_for(data).model_config())
+    with pytest.raises(iu.TrainingDiverged, match=message + r".*lower learning rate"):
+        iu.train_steps(model, data, n_steps, batch_size=4, seqlen=16, lr=lr, loss_fn=loss_fn)
+
+
+def test_a_diverged_training_leaves_the_existing_checkpoint_untouched(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.train_checkpoint(tiny_preset_for(data), data, "cpu", path=path)
+    saved = path.read_bytes()
+    with pytest.raises(iu.TrainingDiverged):
+        iu.train_checkpoint(tiny_preset_for(data, lr=1e30, iters=20), data, "cpu", path=path)
+    assert path.read_bytes() == saved and [p.name for p in tmp_path.iterdir()] == ["tiny.pt"]
+
+
 # --- measurement --------------------------------------------------------------------------------
 
 def test_peak_memory_sees_a_temporary_allocation():
