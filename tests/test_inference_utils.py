@@ -194,18 +194,34 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
         iu.load_model(GPTlite, TINY_PRESET, data=synthetic_data(), path=path)
 
 
+def restamped(ckpt):
+    """The checkpoint with a checksum of its (edited) contents, as save_checkpoint would write it."""
+    ckpt["sha256"] = iu.checkpoint_sha256(ckpt["config"], ckpt["vocab"], ckpt["state_dict"])
+    return ckpt
+
+
 def drop_a_weight(ckpt):
     del ckpt["state_dict"]["fc_out.bias"]
-    return ckpt
+    return restamped(ckpt)
 
 
 def add_a_config_key(ckpt):
     ckpt["config"]["n_groups"] = 2
-    return ckpt
+    return restamped(ckpt)
 
 
 def a_nan_weight(ckpt):
     ckpt["state_dict"]["fc_out.weight"][0, 0] = float("nan")
+    return restamped(ckpt)
+
+
+def an_edited_weight(ckpt):  # edited after saving: the checksum is the old one
+    ckpt["state_dict"]["fc_out.weight"][0, 0] += 1
+    return ckpt
+
+
+def no_checksum(ckpt):  # as saved before checkpoints carried one
+    del ckpt["sha256"]
     return ckpt
 
 
@@ -216,6 +232,8 @@ def a_nan_weight(ckpt):
     (lambda ckpt: {**ckpt, "state_dict": [1, 2]}, "not a checkpoint of this repository"),
     (add_a_config_key, "another configuration.*n_groups.*--preset tiny"),
     (a_nan_weight, "non-finite"),
+    (an_edited_weight, "damaged: its weights do not match their checksum.*python gptlite.py --preset tiny"),
+    (no_checksum, "no checksum.*refused.*python gptlite.py --preset tiny"),
 ])
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, damage, message):
     data = synthetic_data()
@@ -224,6 +242,71 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, damage, message):
     torch.save(damage(torch.load(path, weights_only=True)), path)
     with pytest.raises(iu.CheckpointError, match=message):
         iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+def flip_a_byte_of_the_first_tensor(path):
+    """Flip one bit in the middle of the bytes of the checkpoint's first stored tensor, in the file itself."""
+    with zipfile.ZipFile(path) as z:
+        record = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[record.header_offset + 26:record.header_offset + 30])
+    start = record.header_offset + 30 + name_len + extra_len  # torch stores tensors uncompressed
+    raw[start + record.file_size // 2] ^= 0x01
+    path.write_bytes(raw)
+
+
+def test_one_flipped_byte_inside_a_tensor_is_a_clear_error(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    before = torch.load(path, weights_only=True)["state_dict"]
+    flip_a_byte_of_the_first_tensor(path)
+    after = torch.load(path, weights_only=True)["state_dict"]  # torch itself loads it silently
+    assert sum(not torch.equal(before[k], after[k]) for k in before) == 1
+    with pytest.raises(iu.CheckpointError, match="damaged.*checksum.*rebuild it with: python gptlite.py --preset tiny"):
+        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+def test_the_checksum_covers_names_dtypes_shapes_and_bytes():
+    state = {"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.int64)}
+    digest = iu.checkpoint_sha256({"d": 1}, "ab", state)
+    assert digest == iu.checkpoint_sha256({"d": 1}, "ab", dict(reversed(state.items())))  # order of the dict
+    for changed in ({"a": torch.zeros(3, 2), "b": state["b"]}, {"a": torch.zeros(2, 3, dtype=torch.float64),
+                    "b": state["b"]}, {"c": state["a"], "b": state["b"]}, {"a": state["a"], "b": state["b"] + 1}):
+        assert iu.checkpoint_sha256({"d": 1}, "ab", changed) != digest
+    assert iu.checkpoint_sha256({"d": 2}, "ab", state) != digest != iu.checkpoint_sha256({"d": 1}, "ac", state)
+
+
+def test_the_rebuild_command_is_saved_and_named_in_the_errors(tmp_path):
+    data = synthetic_data()
+    model = GPTlite(**tiny_preset_for(data).model_config())
+    path = tmp_path / "cpu_gqa.pt"
+    command = "python main_gqa.py --preset cpu"
+    iu.save_checkpoint(path, model, tiny_preset_for(data).model_config(), data.vocab, rebuild=command, steps=1)
+    assert iu.load_checkpoint(path)["meta"] == {"steps": 1, "rebuild": command}
+    torch.save(an_edited_weight(torch.load(path, weights_only=True)), path)
+    with pytest.raises(iu.CheckpointError, match=f"rebuild it with: {command}$"):  # read from the file
+        iu.load_checkpoint(path)
+    with pytest.raises(iu.CheckpointError, match="rebuild it with: python other.py$"):  # the caller's wins
+        iu.load_checkpoint(path, rebuild="python other.py")
+    path.write_bytes(b"not a checkpoint")  # unreadable: only the caller can say
+    with pytest.raises(iu.CheckpointError, match=f"(?s)not a readable checkpoint.*rebuild it with: {command}$"):
+        iu.load_checkpoint(path, rebuild=command)
+    with pytest.raises(iu.CheckpointError, match="rebuild it with the script that saved it$"):
+        iu.load_checkpoint(path)
+    (tmp_path / "cpu.pt").write_bytes(b"not a checkpoint")  # a preset's checkpoint: gptlite.py rebuilds it
+    with pytest.raises(iu.CheckpointError, match="rebuild it with: python gptlite.py --preset cpu$"):
+        iu.load_checkpoint(tmp_path / "cpu.pt")
+    with pytest.raises(iu.CheckpointError, match=f"no checkpoint at .*run: {command}$"):
+        iu.load_model(GPTlite, "cpu", path=tmp_path / "missing.pt", rebuild=command)
+
+
+def test_train_checkpoint_saves_the_command_that_rebuilds_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(iu, "CHECKPOINT_DIR", tmp_path)
+    data = synthetic_data()
+    iu.train_checkpoint(tiny_preset_for(data), data, "cpu", iters=2, seed=3)
+    meta = iu.load_checkpoint(tmp_path / "tiny.pt")["meta"]
+    assert meta["rebuild"] == "python gptlite.py --preset tiny --iters 2 --seed 3"
 
 
 def test_a_failed_save_leaves_no_file(tmp_path, monkeypatch):
@@ -246,6 +329,30 @@ def test_an_existing_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
     with pytest.raises(ZeroDivisionError):
         iu.atomic_torch_save({"x": torch.zeros(2)}, path)
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys
+import inference_utils as iu
+with iu.atomic_file(sys.argv[1]) as tmp:
+    tmp.write_bytes(b"half a checkpoint")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="stale temp files are recognised by pid on POSIX only")
+def test_the_temp_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(path)], cwd=iu.ROOT)
+    assert killed.wait() == -signal.SIGKILL
+    assert [p.name for p in tmp_path.iterdir()] == [f"ckpt.pt.tmp{killed.pid}"]  # left behind
+    alive = tmp_path / f"ckpt.pt.tmp{os.getppid()}"  # a live process may be writing the same path: kept
+    others = [tmp_path / f"other.pt.tmp{killed.pid}", tmp_path / "ckpt.pt.tmpx"]  # not stale temps of ckpt.pt
+    for p in [alive, *others]:
+        p.write_bytes(b"x")
+    iu.atomic_write_bytes(b"whole", path)
+    assert path.read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in [path, alive, *others])
 
 
 def test_untrained_models_are_seeded():
