@@ -487,3 +487,16 @@ def test_json_has_the_common_schema(tmp_path):
     assert set(result["rows"][0]) >= {"variant", "ttft_ms", "tpot_ms", "tokens_per_s", "peak_mem_mb",
                                       "kv_cache_mb", "val_loss"}
     assert result["rows"][0]["tpot_ms"] is None
+
+
+def test_json_never_writes_nan_or_infinity(tmp_path):
+    path = tmp_path / "r.json"
+    rows = [iu.make_row("a", val_loss=math.nan, tpot_ms=math.inf), iu.make_row("b", tpot_ms=1.5)]
+    iu.save_json(path, "main_x.py", TINY_PRESET, "cpu", rows, curve=[1.0, -math.inf, {"x": math.nan}])
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    result = json.loads(path.read_text(), parse_constant=refuse)  # a strict parser
+    assert result["rows"][0]["val_loss"] is None and result["rows"][0]["tpot_ms"] is None
+    assert result["rows"][1]["tpot_ms"] == 1.5 and result["curve"] == [1.0, None, {"x": None}]
