@@ -156,14 +156,11 @@ def main():
 
     parser = argparse.ArgumentParser(description="Train a GPTlite checkpoint and print a generated sample.")
     iu.add_model_args(parser)
-    parser.add_argument("--iters", type=int, default=None, help="training steps (default: the preset's)")
-    parser.add_argument("--sample-tokens", type=int, default=300, help="length of the printed sample")
+    parser.add_argument("--iters", type=iu.int_at_least(1), default=None, help="training steps (default: the preset's)")
+    parser.add_argument("--sample-tokens", type=iu.int_at_least(1), default=300, help="length of the printed sample")
     args = parser.parse_args()
-    for flag, value in [("--iters", args.iters), ("--sample-tokens", args.sample_tokens)]:
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
     preset, device, data = iu.setup(args, parser)
-    model = iu.train_checkpoint(preset, data, device, iters=args.iters, seed=args.seed)
+    model = iu.train_checkpoint(preset, data, device, iters=args.iters, seed=args.seed)  # a diverged run saves nothing
     prompt = torch.tensor([data.encode("\n")], device=device)
     sample = generate(model.eval(), prompt, args.sample_tokens, model.seqlen)
     print(data.decode(sample[0, 1:].tolist()))  # without the prompt's newline

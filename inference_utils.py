@@ -37,6 +37,10 @@ class CheckpointError(GPTliteError):
     pass
 
 
+class TrainingDiverged(GPTliteError):
+    """The loss became NaN or infinite: raised before anything is saved."""
+
+
 # ----------------------------------------------------------------------------------------------------
 # Presets: plain data, one place.
 
@@ -122,7 +126,10 @@ def _download(path):
         raise DataError(f"no data file found and the download failed ({e}). {data_help()}") from None
     if hashlib.sha256(raw).hexdigest() != DATA_SHA256:
         raise DataError(f"the downloaded file is not the canonical tiny Shakespeare (sha256 differs). {data_help()}")
-    atomic_write_bytes(raw, path)
+    try:
+        atomic_write_bytes(raw, path)
+    except OSError as e:
+        raise DataError(f"downloaded tiny Shakespeare but cannot write it to {path} ({e}). {data_help()}") from None
 
 
 def load_data(path=None):
@@ -133,16 +140,19 @@ def load_data(path=None):
         path, source = Path(os.environ["GPTLITE_DATA"]), "GPTLITE_DATA"
     else:
         path, source = DEFAULT_DATA, None
-    if not path.is_file():
-        if source is not None:  # an explicit path that is wrong is an error, not a reason to download
-            raise DataError(f"{source} points at {path}, which is not a file. {data_help()}")
-        _download(path)
-    raw = path.read_bytes()
+    try:
+        if not path.is_file():
+            if source is not None:  # an explicit path that is wrong is an error, not a reason to download
+                raise DataError(f"{source} points at {path}, which is not a file. {data_help()}")
+            _download(path)
+        raw = path.read_bytes()
+    except OSError as e:  # permission denied, a folder in the way, ...
+        raise DataError(f"cannot read {path} ({e}). {data_help()}") from None
     digest = hashlib.sha256(raw).hexdigest()
-    if digest != DATA_SHA256:
+    if digest != DATA_SHA256:  # before decoding: a file that is not UTF-8 fails here, with what to do
         raise DataError(f"{path} is not the canonical tiny Shakespeare ({len(raw):,} bytes, sha256 {digest}; "
                         f"expected {DATA_BYTES:,} bytes, sha256 {DATA_SHA256}). Replace it. {data_help()}")
-    text = raw.decode("utf-8")
+    text = raw.decode("ascii")  # the canonical file is ASCII: the hash above guarantees it
     vocab = "".join(sorted(set(text)))
     table = torch.zeros(256, dtype=torch.long)  # byte -> token id (the canonical file is ASCII)
     for i, c in enumerate(vocab):
@@ -197,6 +207,13 @@ def cross_entropy_loss(model, x, y):
     return F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
 
 
+def check_finite(loss, step, n_steps, lr, what):
+    """Stop a diverged run at once: its weights are useless, and the callers save only after training."""
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"training diverged: the {what} is {loss} at step {step} of {n_steps} "
+                               f"(peak learning rate {lr:g}); rerun with a lower learning rate. Nothing was saved.")
+
+
 def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_interval=None,
                 loss_fn=cross_entropy_loss, desc="training"):
     """Train `model` for `n_steps` AdamW steps (warm-up, cosine decay, gradient clipping at 1.0).
@@ -225,12 +242,14 @@ def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_inter
             group["lr"] = lr_at(step)
         x, y = get_batch(data.train, batch_size, seqlen, generator, device)
         loss = loss_fn(model, x, y)
+        check_finite(loss.item(), step + 1, n_steps, lr, "training loss")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if (step + 1) % eval_interval == 0 or step + 1 == n_steps:
             history.append({"step": step + 1, "val_loss": validation_loss(model, data, n_batches=10)})
+            check_finite(history[-1]["val_loss"], step + 1, n_steps, lr, "validation loss")  # the last update
             model.train()
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history[-1]['val_loss']:.3f}")
         elif step % 10 == 0:
@@ -246,12 +265,43 @@ def checkpoint_path(name):
     return CHECKPOINT_DIR / f"{name}.pt"
 
 
+def gptlite_command(preset, iters=None, seed=0):
+    """The command that trains checkpoints/<preset>.pt: the rebuild hint of a preset checkpoint."""
+    flags = (f" --iters {iters}" if iters else "") + (f" --seed {seed}" if seed else "")
+    return f"python gptlite.py --preset {preset}{flags}"
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: no signal, only the check that the process exists
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: another user's process; cannot tell: keep its file
+        pass
+    return True
+
+
+def remove_stale_temps(path):
+    """Remove the `<name>.tmp<pid>` files beside `path` of processes that are gone (killed mid-write).
+    A live process's temp file is kept: it may be writing the same path right now, and its rename must
+    not fail. (Only on POSIX: on Windows os.kill(pid, 0) would send Ctrl+C, not check.)"""
+    if os.name != "posix":
+        return
+    for tmp in path.parent.iterdir():
+        pid = tmp.name.removeprefix(f"{path.name}.tmp")
+        if tmp.name != pid and pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):  # a file we cannot remove must not stop the save
+                tmp.unlink()
+
+
 @contextlib.contextmanager
 def atomic_file(path):
     """Yield a temporary path beside `path`; on success it is synced to disk and renamed to `path`, on
-    failure removed. A killed run never leaves a corrupt file, and an old file survives a failed write."""
+    failure removed. A killed run never leaves a corrupt file, and an old file survives a failed write;
+    the temp file a killed run leaves is removed by the next write of the same path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
@@ -272,15 +322,36 @@ def atomic_torch_save(obj, path):
         torch.save(obj, tmp)
 
 
-def save_checkpoint(path, model, config, vocab, **meta):
-    atomic_torch_save({"config": dict(config), "vocab": vocab, "state_dict": model.state_dict(),
-                       "meta": meta}, path)
+def checkpoint_sha256(config, vocab, state_dict):
+    """sha256 over the config, the vocabulary and every tensor (name, dtype, shape and bytes, in name
+    order): one changed byte anywhere in the weights changes it."""
+    h = hashlib.sha256(json.dumps([config, vocab], sort_keys=True).encode())
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous()
+        h.update(f"\n{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the raw bytes, whatever the dtype
+    return h.hexdigest()
 
 
-def load_checkpoint(path, config=None, vocab=None):
-    """Read a checkpoint; a different `config` or `vocab` than asked for is a clear error."""
+def save_checkpoint(path, model, config, vocab, rebuild=None, **meta):
+    """Save config, vocabulary, state dict and their checksum atomically. `rebuild`: the shell command
+    that rebuilds this file, kept in the meta for the load errors (load_checkpoint's `rebuild`)."""
+    config, state_dict = dict(config), model.state_dict()
+    meta = {**meta, "rebuild": rebuild} if rebuild else meta
+    atomic_torch_save({"config": config, "vocab": vocab, "state_dict": state_dict, "meta": meta,
+                       "sha256": checkpoint_sha256(config, vocab, state_dict)}, path)
+
+
+def load_checkpoint(path, config=None, vocab=None, rebuild=None):
+    """Read and verify a checkpoint; a damaged file, or another `config` or `vocab` than asked for, is a
+    clear error that names `rebuild`, the shell command that rebuilds this file (default: the command
+    saved in it, else gptlite.py's for a preset checkpoint)."""
     path = Path(path)
-    retrain = f"delete it, or retrain it with: python gptlite.py --preset {path.stem}"
+
+    def how_to_rebuild(command):
+        return f"rebuild it with: {command}" if command else "rebuild it with the script that saved it"
+
+    retrain = how_to_rebuild(rebuild or (gptlite_command(path.stem) if path.stem in PRESETS else None))
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         ok = (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict)
@@ -291,6 +362,15 @@ def load_checkpoint(path, config=None, vocab=None):
     if not ok:
         raise CheckpointError(f"{path} is not a checkpoint of this repository (config, vocab and state_dict "
                               f"expected); {retrain}")
+    saved_command = ckpt["meta"].get("rebuild") if isinstance(ckpt.get("meta"), dict) else None
+    if not rebuild and isinstance(saved_command, str):  # the file says how it was made
+        retrain = how_to_rebuild(saved_command)
+    if "sha256" not in ckpt:
+        raise CheckpointError(f"{path} has no checksum of its weights (saved before checkpoints carried one, or not "
+                              f"by save_checkpoint), so it cannot be verified and is refused; {retrain}")
+    if ckpt["sha256"] != checkpoint_sha256(ckpt["config"], ckpt["vocab"], ckpt["state_dict"]):
+        raise CheckpointError(f"{path} is damaged: its weights do not match their checksum (a changed byte or an "
+                              f"edit outside save_checkpoint); {retrain}")
     if not all(torch.isfinite(t).all() for t in ckpt["state_dict"].values() if t.is_floating_point()):
         raise CheckpointError(f"{path} holds non-finite weights (NaN or inf): the training diverged; {retrain}")
     if config is not None and ckpt["config"] != dict(config):
@@ -304,7 +384,8 @@ def load_checkpoint(path, config=None, vocab=None):
 
 
 def train_checkpoint(preset, data, device, iters=None, seed=0, path=None):
-    """Train a GPTlite of `preset` from a fixed seed and save it as checkpoints/<preset>.pt."""
+    """Train a GPTlite of `preset` from a fixed seed and save it as checkpoints/<preset>.pt (or `path`).
+    A diverged run raises TrainingDiverged before saving: an existing file is left as it was."""
     preset = get_preset(preset)
     iters = iters or preset.iters
     torch.manual_seed(seed)
@@ -313,33 +394,35 @@ def train_checkpoint(preset, data, device, iters=None, seed=0, path=None):
     print(f"training preset {preset.name!r} ({n_params / 1e6:.2f}M parameters) for {iters} steps on {device}")
     history = train_steps(model, data, iters, preset.batch_size, preset.seqlen, preset.lr, seed=seed,
                           desc=f"training {preset.name}")
+    rebuild = None if path else gptlite_command(preset.name, iters if iters != preset.iters else None, seed)
     path = path or checkpoint_path(preset.name)
-    save_checkpoint(path, model, preset.model_config(), data.vocab, preset=preset.name, iters=iters,
+    save_checkpoint(path, model, preset.model_config(), data.vocab, rebuild=rebuild, preset=preset.name, iters=iters,
                     seed=seed, val_loss=history[-1]["val_loss"])
     print(f"saved {path} (validation loss {history[-1]['val_loss']:.4f})")
     return model
 
 
-def load_model(model_class, preset, device="cpu", data=None, untrained=False, path=None, seed=0,
+def load_model(model_class, preset, device="cpu", data=None, untrained=False, path=None, seed=0, rebuild=None,
                **model_kwargs):
     """Build `model_class` for `preset` with the weights of checkpoints/<preset>.pt (or `path`).
 
     A missing checkpoint is trained first (needs `data`); `untrained=True` keeps random weights.
-    `model_kwargs` are the extra constructor arguments of variants (e.g. n_groups). Returns the model
-    on `device`, in eval mode."""
+    `rebuild`: the shell command that rebuilds the file, named in the errors (default: gptlite.py's for
+    the preset). `model_kwargs` are the extra constructor arguments of variants (e.g. n_groups). Returns
+    the model on `device`, in eval mode."""
     preset = get_preset(preset)
     config = preset.model_config()
     if untrained:
         torch.manual_seed(seed)
         return model_class(**config, **model_kwargs).to(device).eval()
     path = Path(path) if path else checkpoint_path(preset.name)
+    rebuild = rebuild or gptlite_command(preset.name)
     if not path.exists():
         if data is None:
-            raise CheckpointError(f"no checkpoint at {path}; pass data to train one, or run: "
-                                  f"python gptlite.py --preset {preset.name}")
+            raise CheckpointError(f"no checkpoint at {path}; pass data to train one, or run: {rebuild}")
         print(f"no checkpoint at {path}: training one first")
         train_checkpoint(preset, data, device, seed=seed, path=path)
-    ckpt = load_checkpoint(path, config=config, vocab=data.vocab if data is not None else None)
+    ckpt = load_checkpoint(path, config=config, vocab=data.vocab if data is not None else None, rebuild=rebuild)
     model = model_class(**ckpt["config"], **model_kwargs)
     try:
         model.load_state_dict(ckpt["state_dict"])

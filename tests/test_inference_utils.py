@@ -1,7 +1,15 @@
 """Data, checkpoints, training, memory and reporting helpers, and their clear errors."""
+import hashlib
 import io
 import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
 import urllib.error
+import zipfile
 from dataclasses import replace
 
 import pytest
@@ -87,6 +95,57 @@ def test_a_download_with_the_wrong_hash_leaves_no_file(tmp_path, monkeypatch):
     assert not default.exists()
 
 
+def test_a_data_path_that_is_not_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    for path in (tmp_path, tmp_path / "a_file" / "below_a_file.txt"):  # a folder; a parent that is a file
+        with pytest.raises(iu.DataError, match="--data points at .*which is not a file"):
+            iu.load_data(path)
+
+
+def test_an_unreadable_data_file_is_a_clear_error(tmp_path, monkeypatch):
+    path = tmp_path / "tinyshakespeare.txt"
+    path.write_text("x")
+
+    def denied(self):  # chmod cannot provoke it when the tests run as root
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(iu.Path, "read_bytes", denied)
+    with pytest.raises(iu.DataError, match="cannot read .*Permission denied.*GPTLITE_DATA"):
+        iu.load_data(path)
+
+
+def test_a_data_file_that_is_not_utf8_fails_the_hash_check(tmp_path):
+    path = tmp_path / "tinyshakespeare.txt"
+    path.write_bytes(b"\xff\xfe not UTF-8 \x80")
+    with pytest.raises(iu.DataError, match="not the canonical tiny Shakespeare"):
+        iu.load_data(path)
+
+
+@pytest.mark.parametrize("in_the_way", ["folder", "file above"])
+def test_a_download_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch, in_the_way):
+    monkeypatch.delenv("GPTLITE_DATA", raising=False)
+    if in_the_way == "folder":  # data/tinyshakespeare.txt is a folder: the rename onto it fails
+        default = tmp_path / "data" / "tinyshakespeare.txt"
+        default.mkdir(parents=True)
+    else:  # data is a file: the folder cannot be made
+        (tmp_path / "data").write_text("x")
+        default = tmp_path / "data" / "tinyshakespeare.txt"
+    monkeypatch.setattr(iu, "DEFAULT_DATA", default)
+    fake = b"a canonical file, for this test"
+    monkeypatch.setattr(iu, "DATA_SHA256", hashlib.sha256(fake).hexdigest())
+
+    class Response(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(iu.urllib.request, "urlopen", lambda *a, **k: Response(fake))
+    with pytest.raises(iu.DataError, match="cannot write it to"):
+        iu.load_data()
+
+
 def test_sample_prompts_are_fixed_by_the_seed(real_data):
     a = iu.sample_prompts(real_data, 3, 20, seed=7)
     assert a.shape == (3, 20) and a.dtype == torch.long
@@ -135,18 +194,34 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
         iu.load_model(GPTlite, TINY_PRESET, data=synthetic_data(), path=path)
 
 
+def restamped(ckpt):
+    """The checkpoint with a checksum of its (edited) contents, as save_checkpoint would write it."""
+    ckpt["sha256"] = iu.checkpoint_sha256(ckpt["config"], ckpt["vocab"], ckpt["state_dict"])
+    return ckpt
+
+
 def drop_a_weight(ckpt):
     del ckpt["state_dict"]["fc_out.bias"]
-    return ckpt
+    return restamped(ckpt)
 
 
 def add_a_config_key(ckpt):
     ckpt["config"]["n_groups"] = 2
-    return ckpt
+    return restamped(ckpt)
 
 
 def a_nan_weight(ckpt):
     ckpt["state_dict"]["fc_out.weight"][0, 0] = float("nan")
+    return restamped(ckpt)
+
+
+def an_edited_weight(ckpt):  # edited after saving: the checksum is the old one
+    ckpt["state_dict"]["fc_out.weight"][0, 0] += 1
+    return ckpt
+
+
+def no_checksum(ckpt):  # as saved before checkpoints carried one
+    del ckpt["sha256"]
     return ckpt
 
 
@@ -157,6 +232,8 @@ def a_nan_weight(ckpt):
     (lambda ckpt: {**ckpt, "state_dict": [1, 2]}, "not a checkpoint of this repository"),
     (add_a_config_key, "another configuration.*n_groups.*--preset tiny"),
     (a_nan_weight, "non-finite"),
+    (an_edited_weight, "damaged: its weights do not match their checksum.*python gptlite.py --preset tiny"),
+    (no_checksum, "no checksum.*refused.*python gptlite.py --preset tiny"),
 ])
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, damage, message):
     data = synthetic_data()
@@ -165,6 +242,71 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, damage, message):
     torch.save(damage(torch.load(path, weights_only=True)), path)
     with pytest.raises(iu.CheckpointError, match=message):
         iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+def flip_a_byte_of_the_first_tensor(path):
+    """Flip one bit in the middle of the bytes of the checkpoint's first stored tensor, in the file itself."""
+    with zipfile.ZipFile(path) as z:
+        record = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[record.header_offset + 26:record.header_offset + 30])
+    start = record.header_offset + 30 + name_len + extra_len  # torch stores tensors uncompressed
+    raw[start + record.file_size // 2] ^= 0x01
+    path.write_bytes(raw)
+
+
+def test_one_flipped_byte_inside_a_tensor_is_a_clear_error(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+    before = torch.load(path, weights_only=True)["state_dict"]
+    flip_a_byte_of_the_first_tensor(path)
+    after = torch.load(path, weights_only=True)["state_dict"]  # torch itself loads it silently
+    assert sum(not torch.equal(before[k], after[k]) for k in before) == 1
+    with pytest.raises(iu.CheckpointError, match="damaged.*checksum.*rebuild it with: python gptlite.py --preset tiny"):
+        iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
+
+
+def test_the_checksum_covers_names_dtypes_shapes_and_bytes():
+    state = {"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.int64)}
+    digest = iu.checkpoint_sha256({"d": 1}, "ab", state)
+    assert digest == iu.checkpoint_sha256({"d": 1}, "ab", dict(reversed(state.items())))  # order of the dict
+    for changed in ({"a": torch.zeros(3, 2), "b": state["b"]}, {"a": torch.zeros(2, 3, dtype=torch.float64),
+                    "b": state["b"]}, {"c": state["a"], "b": state["b"]}, {"a": state["a"], "b": state["b"] + 1}):
+        assert iu.checkpoint_sha256({"d": 1}, "ab", changed) != digest
+    assert iu.checkpoint_sha256({"d": 2}, "ab", state) != digest != iu.checkpoint_sha256({"d": 1}, "ac", state)
+
+
+def test_the_rebuild_command_is_saved_and_named_in_the_errors(tmp_path):
+    data = synthetic_data()
+    model = GPTlite(**tiny_preset_for(data).model_config())
+    path = tmp_path / "cpu_gqa.pt"
+    command = "python main_gqa.py --preset cpu"
+    iu.save_checkpoint(path, model, tiny_preset_for(data).model_config(), data.vocab, rebuild=command, steps=1)
+    assert iu.load_checkpoint(path)["meta"] == {"steps": 1, "rebuild": command}
+    torch.save(an_edited_weight(torch.load(path, weights_only=True)), path)
+    with pytest.raises(iu.CheckpointError, match=f"rebuild it with: {command}$"):  # read from the file
+        iu.load_checkpoint(path)
+    with pytest.raises(iu.CheckpointError, match="rebuild it with: python other.py$"):  # the caller's wins
+        iu.load_checkpoint(path, rebuild="python other.py")
+    path.write_bytes(b"not a checkpoint")  # unreadable: only the caller can say
+    with pytest.raises(iu.CheckpointError, match=f"(?s)not a readable checkpoint.*rebuild it with: {command}$"):
+        iu.load_checkpoint(path, rebuild=command)
+    with pytest.raises(iu.CheckpointError, match="rebuild it with the script that saved it$"):
+        iu.load_checkpoint(path)
+    (tmp_path / "cpu.pt").write_bytes(b"not a checkpoint")  # a preset's checkpoint: gptlite.py rebuilds it
+    with pytest.raises(iu.CheckpointError, match="rebuild it with: python gptlite.py --preset cpu$"):
+        iu.load_checkpoint(tmp_path / "cpu.pt")
+    with pytest.raises(iu.CheckpointError, match=f"no checkpoint at .*run: {command}$"):
+        iu.load_model(GPTlite, "cpu", path=tmp_path / "missing.pt", rebuild=command)
+
+
+def test_train_checkpoint_saves_the_command_that_rebuilds_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(iu, "CHECKPOINT_DIR", tmp_path)
+    data = synthetic_data()
+    iu.train_checkpoint(tiny_preset_for(data), data, "cpu", iters=2, seed=3)
+    meta = iu.load_checkpoint(tmp_path / "tiny.pt")["meta"]
+    assert meta["rebuild"] == "python gptlite.py --preset tiny --iters 2 --seed 3"
 
 
 def test_a_failed_save_leaves_no_file(tmp_path, monkeypatch):
@@ -187,6 +329,30 @@ def test_an_existing_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
     with pytest.raises(ZeroDivisionError):
         iu.atomic_torch_save({"x": torch.zeros(2)}, path)
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys
+import inference_utils as iu
+with iu.atomic_file(sys.argv[1]) as tmp:
+    tmp.write_bytes(b"half a checkpoint")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="stale temp files are recognised by pid on POSIX only")
+def test_the_temp_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(path)], cwd=iu.ROOT)
+    assert killed.wait() == -signal.SIGKILL
+    assert [p.name for p in tmp_path.iterdir()] == [f"ckpt.pt.tmp{killed.pid}"]  # left behind
+    alive = tmp_path / f"ckpt.pt.tmp{os.getppid()}"  # a live process may be writing the same path: kept
+    others = [tmp_path / f"other.pt.tmp{killed.pid}", tmp_path / "ckpt.pt.tmpx"]  # not stale temps of ckpt.pt
+    for p in [alive, *others]:
+        p.write_bytes(b"x")
+    iu.atomic_write_bytes(b"whole", path)
+    assert path.read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in [path, alive, *others])
 
 
 def test_untrained_models_are_seeded():
@@ -216,6 +382,33 @@ def test_a_short_training_run_lowers_the_validation_loss(real_data):
     after = iu.validation_loss(model, real_data, n_batches=5, batch_size=16)
     assert after < before - 0.5, (before, after)
     assert not model.training
+
+
+def an_infinite_loss(model, x, y):
+    return iu.cross_entropy_loss(model, x, y) * math.inf
+
+
+@pytest.mark.parametrize("n_steps, lr, loss_fn, message", [
+    (3, 1e-3, an_infinite_loss, "training loss is inf at step 1 of 3"),
+    (20, 1e30, iu.cross_entropy_loss, r"training loss is (nan|inf) at step \d+ of 20"),
+    (1, 1e30, iu.cross_entropy_loss, "validation loss is (nan|inf) at step 1 of 1"),  # the last update diverges
+])
+def test_a_diverging_run_stops_with_a_clear_error(n_steps, lr, loss_fn, message):
+    data = synthetic_data()
+    torch.manual_seed(0)
+    model = GPTlite(**tiny_preset_for(data).model_config())
+    with pytest.raises(iu.TrainingDiverged, match=message + r".*lower learning rate"):
+        iu.train_steps(model, data, n_steps, batch_size=4, seqlen=16, lr=lr, loss_fn=loss_fn)
+
+
+def test_a_diverged_training_leaves_the_existing_checkpoint_untouched(tmp_path):
+    data = synthetic_data()
+    path = tmp_path / "tiny.pt"
+    iu.train_checkpoint(tiny_preset_for(data), data, "cpu", path=path)
+    saved = path.read_bytes()
+    with pytest.raises(iu.TrainingDiverged):
+        iu.train_checkpoint(tiny_preset_for(data, lr=1e30, iters=20), data, "cpu", path=path)
+    assert path.read_bytes() == saved and [p.name for p in tmp_path.iterdir()] == ["tiny.pt"]
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -303,3 +496,16 @@ def test_extra_columns_share_one_format_and_non_finite_numbers_print():
     assert lines[0].split() == ["variant", "TTFT", "ms", "util", "n", "ratio", "same"]  # unused standard columns left out
     assert lines[2].split() == ["a", "1.00", "0.940", "3", "inf", "-"]
     assert lines[3].split() == ["b", "2.00", "0.938", "4", "1.5", "yes"]
+
+
+def test_json_never_writes_nan_or_infinity(tmp_path):
+    path = tmp_path / "r.json"
+    rows = [iu.make_row("a", val_loss=math.nan, tpot_ms=math.inf), iu.make_row("b", tpot_ms=1.5)]
+    iu.save_json(path, "main_x.py", TINY_PRESET, "cpu", rows, curve=[1.0, -math.inf, {"x": math.nan}])
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    result = json.loads(path.read_text(), parse_constant=refuse)  # a strict parser
+    assert result["rows"][0]["val_loss"] is None and result["rows"][0]["tpot_ms"] is None
+    assert result["rows"][1]["tpot_ms"] == 1.5 and result["curve"] == [1.0, None, {"x": None}]
