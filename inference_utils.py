@@ -511,16 +511,17 @@ def compare_generation(variants, n_tokens, batch_size, device="cpu", warmup=1, r
     results = {}
     for name in variants:
         ttft, total = statistics.median(times[name][1]), statistics.median(times[name][n_tokens])
-        results[name] = {"ttft_ms": ttft * 1e3, "tpot_ms": tpot_ms(ttft, total, n_tokens),
+        noise = max(times[name][1]) - min(times[name][1])  # the spread of the repeated TTFT runs
+        results[name] = {"ttft_ms": ttft * 1e3, "tpot_ms": tpot_ms(ttft, total, n_tokens, noise),
                          "tokens_per_s": batch_size * n_tokens / total}
     return results
 
 
-def tpot_ms(ttft, total, n_tokens):
-    """TPOT from the median times of generating 1 and n_tokens tokens, in ms; None when it cannot be
-    measured: one token, or a difference of medians that timing noise made zero or negative (too few
-    tokens or repeats), which is no time per token at all."""
-    if n_tokens < 2 or total <= ttft:
+def tpot_ms(ttft, total, n_tokens, noise=0.0):
+    """TPOT from the median times (s) of generating 1 and n_tokens tokens, in ms; None when it cannot be
+    measured: one token, or a decode time (total - ttft) no larger than the timing noise (the spread of
+    the TTFT runs): too few tokens or repeats, and the difference would be noise, even negative."""
+    if n_tokens < 2 or total - ttft <= noise:
         return None
     return (total - ttft) / (n_tokens - 1) * 1e3
 

@@ -509,3 +509,27 @@ def test_json_never_writes_nan_or_infinity(tmp_path):
     result = json.loads(path.read_text(), parse_constant=refuse)  # a strict parser
     assert result["rows"][0]["val_loss"] is None and result["rows"][0]["tpot_ms"] is None
     assert result["rows"][1]["tpot_ms"] == 1.5 and result["curve"] == [1.0, None, {"x": None}]
+
+
+def test_tpot_is_none_when_the_decode_time_is_within_the_timing_noise():
+    assert iu.tpot_ms(ttft=0.010, total=0.019, n_tokens=10) == pytest.approx(1.0)  # (19 - 10) ms / 9 tokens
+    assert iu.tpot_ms(0.010, 0.009, 10) is None  # a negative difference of medians is no time per token
+    assert iu.tpot_ms(0.010, 0.012, 2, noise=0.003) is None  # 2 ms of decoding inside 3 ms of TTFT spread
+    assert iu.tpot_ms(0.010, 0.012, 2, noise=0.001) == pytest.approx(2.0)
+    assert iu.tpot_ms(0.010, 0.012, 1) is None  # one token: no time per output token
+    assert iu.ratio(None, 2.0) is None and iu.ratio(3.0, 0.0) is None and iu.ratio(3.0, 2.0) == 1.5
+
+
+def test_compare_generation_reports_tpot_from_the_medians_and_none_inside_the_noise(monkeypatch):
+    # a fake clock: generating n tokens takes 10 ms + n ms, and TTFT runs vary by 0 to 2 ms
+    ttft_jitter = iter([0.0, 0.002, 0.001] * 2)
+    clock = {"now": 0.0}
+    monkeypatch.setattr(iu.time, "perf_counter", lambda: clock["now"])
+
+    def fn(n):
+        clock["now"] += 0.010 + n * 0.001 + (next(ttft_jitter) if n == 1 else 0.0)
+
+    result = iu.compare_generation({"a": fn}, n_tokens=11, batch_size=2, warmup=0, repeats=3)["a"]
+    assert result["ttft_ms"] == pytest.approx(12.0) and result["tpot_ms"] == pytest.approx(0.9)  # (21 - 12) / 10
+    ttft_jitter = iter([0.0, 0.002, 0.001] * 2)
+    assert iu.compare_generation({"a": fn}, n_tokens=2, batch_size=2, warmup=0, repeats=3)["a"]["tpot_ms"] is None
