@@ -18,6 +18,12 @@ What the script measures:
   answers), then every second one; a hit is right only if it served the answer of its paraphrase;
 - the time of a lookup (embedding + search; an exact match skips the embedding) against the time of
   a GPTlite call that generates the answer (--n-tokens characters).
+
+The post's usage works with the names it imports from here:
+
+    from main_semantic_cache import SemanticCache, sentence_transformer_embedder
+    cache = SemanticCache(sentence_transformer_embedder(), threshold=0.85)
+    answer, similarity, hit = cache(query, generate_fn)
 """
 import argparse
 import csv
@@ -29,6 +35,7 @@ import torch
 import inference_utils as iu
 import semantic_cache as sc
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+from semantic_cache import SemanticCache, sentence_transformer_embedder  # noqa: F401 (the post imports them from here)
 
 PAIRS = Path(__file__).resolve().parent / "semantic_cache_pairs.tsv"
 LABELS = {"same": True, "different": False}
@@ -138,7 +145,7 @@ def main(argv=None):
         row.update(precision=f"{row['precision']:.3f}", recall=f"{row['recall']:.3f}", hit_rate=f"{row['hit_rate']:.0%}")
 
     # 2. the cache on a stream of queries, at --threshold
-    cache = sc.SemanticCache(embed, args.threshold)
+    cache = sc.ScopedSemanticCache(embed, args.threshold)
     counts = stream(cache, pairs, answer)  # GPTlite answers every miss
     stats = cache.stats()
 
