@@ -27,6 +27,7 @@ The post's usage works with the names it imports from here:
 """
 import argparse
 import csv
+import io
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,7 @@ PROBES = {"exact-match hit": "How do I delete a file?",  # in the shipped pairs:
 
 
 def check_args(args, parser):
+    """Every flag, then the pairs file (returned): a bad one is an error before any work."""
     if not -1 <= args.threshold <= 1:
         parser.error(f"--threshold must be a cosine similarity in [-1, 1], got {args.threshold}")
     if not Path(args.pairs).is_file():
@@ -53,19 +55,31 @@ def check_args(args, parser):
     for flag, value, low in [("--n-tokens", args.n_tokens, 2), ("--repeats", args.repeats, 1)]:
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
+    return load_pairs(args.pairs)
 
 
 def load_pairs(path):
-    """[(label, query_a, query_b)] from a TSV with the header label, query_a, query_b; label is same or different."""
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header, pairs = next(reader, None), []
-        if header != ["label", "query_a", "query_b"]:
-            raise iu.GPTliteError(f"{path}: the first line must be the header label<TAB>query_a<TAB>query_b")
-        for line, row in enumerate(reader, 2):
-            if len(row) != 3 or row[0] not in LABELS or not row[1].strip() or not row[2].strip():
-                raise iu.GPTliteError(f"{path} line {line}: expected same|different<TAB>query<TAB>query, got {row}")
-            pairs.append((LABELS[row[0]], row[1], row[2]))
+    """[(label, query_a, query_b)] from a UTF-8 TSV with the header label, query_a, query_b; label is same
+    or different. Any problem with the file is a GPTliteError that says what to do."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise iu.GPTliteError(f"cannot read the pairs file {path} ({e.strerror or e}): give a readable TSV file "
+                              "with --pairs") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the header
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise iu.GPTliteError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
+                              "as UTF-8") from None
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
+    header, pairs = next(reader, None), []
+    if header != ["label", "query_a", "query_b"]:
+        raise iu.GPTliteError(f"{path}: the first line must be the header label<TAB>query_a<TAB>query_b")
+    for line, row in enumerate(reader, 2):
+        if len(row) != 3 or row[0] not in LABELS or not row[1].strip() or not row[2].strip():
+            raise iu.GPTliteError(f"{path} line {line}: expected same|different<TAB>query<TAB>query, got {row}")
+        pairs.append((LABELS[row[0]], row[1], row[2]))
     if not any(p[0] for p in pairs) or all(p[0] for p in pairs):
         raise iu.GPTliteError(f"{path}: needs both paraphrase (same) and near-miss (different) pairs")
     return pairs
@@ -111,13 +125,14 @@ def main(argv=None):
     parser.add_argument("--threshold", type=float, default=sc.DEFAULT_THRESHOLD,
                         help=f"least cosine similarity served from the cache (default {sc.DEFAULT_THRESHOLD}, "
                              "chosen from the sweep: see the README)")
-    parser.add_argument("--pairs", default=str(PAIRS), help="labelled query pairs, TSV: label, query_a, query_b")
+    parser.add_argument("--pairs", default=str(PAIRS),
+                        help="labelled query pairs, UTF-8 TSV: label, query_a, query_b")
     parser.add_argument("--encoder", default=sc.DEFAULT_ENCODER, help="sentence-transformers model name")
     parser.add_argument("--n-tokens", type=int, default=64, help="characters GPTlite generates per answer")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser))
-    pairs = load_pairs(args.pairs)
+    pairs = []  # read while the flags are checked: a bad file is an error before any work
+    preset, device, data = iu.setup(args, parser, lambda preset: pairs.extend(check_args(args, parser)))
 
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     val_loss = iu.validation_loss(model, data)

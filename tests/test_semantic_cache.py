@@ -543,3 +543,42 @@ def test_an_encoder_that_cannot_be_loaded_is_one_clear_line(real_data, monkeypat
     with pytest.raises(SystemExit) as e:
         iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--encoder", "no/such-model"]))
     assert str(e.value.code) == "error: could not load the sentence encoder 'no/such-model'"
+
+
+def test_a_pairs_file_that_is_not_utf8_is_one_clear_line(tmp_path, monkeypatch):
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes("label\tquery_a\tquery_b\nsame\tCafé?\tA café?\n".encode("latin-1"))
+    with pytest.raises(iu.GPTliteError, match=r"pairs.tsv line 2: not UTF-8 text \(invalid continuation byte at "
+                                              r"byte 30\); save the file as UTF-8"):
+        main_semantic_cache.load_pairs(path)
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
+    with pytest.raises(SystemExit) as e:
+        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
+    assert str(e.value.code) == f"error: {path} line 2: not UTF-8 text (invalid continuation byte at byte 30); " \
+                                "save the file as UTF-8"
+
+
+def test_a_pairs_file_that_cannot_be_read_is_one_clear_line(tmp_path, monkeypatch):
+    with pytest.raises(iu.GPTliteError, match=rf"cannot read the pairs file {tmp_path} \(Is a directory\): give a "
+                                              r"readable TSV file with --pairs"):
+        main_semantic_cache.load_pairs(tmp_path)
+    path = tmp_path / "pairs.tsv"
+    path.write_text("label\tquery_a\tquery_b\nsame\ta\tb\n")
+    read_bytes = Path.read_bytes
+
+    def unreadable(self):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return read_bytes(self)
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
+    with pytest.raises(SystemExit) as e:
+        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
+    assert str(e.value.code) == f"error: cannot read the pairs file {path} (Permission denied): give a readable " \
+                                "TSV file with --pairs"
+
+
+def test_a_pairs_file_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "pairs.tsv"
+    path.write_text("label\tquery_a\tquery_b\nsame\tCafé?\tA café?\ndifferent\ta\tb\n", encoding="utf-8-sig")
+    assert main_semantic_cache.load_pairs(path) == [(True, "Café?", "A café?"), (False, "a", "b")]
