@@ -85,6 +85,20 @@ def load_pairs(path):
     return pairs
 
 
+def prompt_ids(query, data, seqlen, device):
+    """[1, S] token ids of the query's last `seqlen` characters; those outside tiny Shakespeare's
+    vocabulary become spaces."""
+    text = "".join(c if c in data.vocab else " " for c in query)[-seqlen:]
+    return torch.tensor([data.encode(text)], device=device)
+
+
+def generate_answer(model, data, query, n_tokens, seqlen, device):
+    """GPTlite's answer to `query`, n_tokens characters. The last n_tokens ids: generate_kvcache returns
+    the new tokens [1, n] or, in the newer convention, the whole sequence [1, S + n]."""
+    ids = generate_kvcache(model, prompt_ids(query, data, seqlen, device), n_tokens, seqlen)
+    return data.decode(ids[0, -n_tokens:].tolist())
+
+
 def sweep(similarities, labels, thresholds):
     """Precision, recall and hit rate of `similarity >= t` for each t (precision 1 when nothing hits)."""
     out = []
@@ -142,12 +156,8 @@ def main(argv=None):
         except ValueError as e:
             raise iu.GPTliteError(str(e)) from None
 
-    def prompt_of(query):  # characters outside tiny Shakespeare's vocabulary become spaces
-        text = "".join(c if c in data.vocab else " " for c in query)[-preset.seqlen:]
-        return torch.tensor([data.encode(text)], device=device)  # [1, S]
-
-    def answer(query, n=args.n_tokens):  # the stand-in model behind the cache
-        return data.decode(generate_kvcache(model, prompt_of(query), n, preset.seqlen)[0].tolist())
+    def answer(query):  # the stand-in model behind the cache
+        return generate_answer(model, data, query, args.n_tokens, preset.seqlen, device)
 
     # 1. the pairs: similarities with the real encoder, precision / recall / hit rate per threshold
     labels = np.array([p[0] for p in pairs])
@@ -165,7 +175,8 @@ def main(argv=None):
     stats = cache.stats()
 
     # 3. time: a GPTlite call against lookups in the stream's cache that hit (exact, semantic) or miss
-    model_fn = lambda n: generate_kvcache(model, prompt_of(PROBES["semantic cache hit"]), n, preset.seqlen)  # noqa
+    prompt = prompt_ids(PROBES["semantic cache hit"], data, preset.seqlen, device)  # [1, S]
+    model_fn = lambda n: generate_kvcache(model, prompt, n, preset.seqlen)  # noqa: E731
     timing = iu.measure_generation(model_fn, args.n_tokens, 1, device, repeats=args.repeats)
     index_mb = f"{stats['entries'] * embed.dim * 4 / 2**20:.3f}"  # a flat index is its vectors
     rows.append(iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import inference_utils as iu
 import main_semantic_cache
@@ -582,3 +583,17 @@ def test_a_pairs_file_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "pairs.tsv"
     path.write_text("label\tquery_a\tquery_b\nsame\tCafé?\tA café?\ndifferent\ta\tb\n", encoding="utf-8-sig")
     assert main_semantic_cache.load_pairs(path) == [(True, "Café?", "A café?"), (False, "a", "b")]
+
+
+@pytest.mark.parametrize("whole_sequence", [False, True])
+def test_the_answer_is_the_new_tokens_in_either_convention_of_generate_kvcache(real_data, monkeypatch, whole_sequence):
+    from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+    preset = iu.get_preset("cpu")
+    model = iu.load_model(GPTlite_KVCache, preset, "cpu", real_data, untrained=True)
+    prompt = main_semantic_cache.prompt_ids("How do I delete a file?", real_data, preset.seqlen, "cpu")  # [1, 23]
+    expected = real_data.decode(generate_kvcache(model, prompt, 5, preset.seqlen)[0, -5:].tolist())  # the new tokens
+    if whole_sequence:  # the other convention: the prompt, then the new tokens, [1, S + n]
+        monkeypatch.setattr(main_semantic_cache, "generate_kvcache",
+                            lambda m, p, n, s: torch.cat([p, generate_kvcache(m, p, n, s)], dim=1))
+    answer = main_semantic_cache.generate_answer(model, real_data, "How do I delete a file?", 5, preset.seqlen, "cpu")
+    assert answer == expected and len(answer) == 5
