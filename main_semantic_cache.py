@@ -105,7 +105,7 @@ def sweep(similarities, labels, thresholds):
     for t in thresholds:
         hits = similarities >= t
         right = int((hits & labels).sum())
-        out.append(dict(threshold=round(float(t), 3), precision=right / hits.sum() if hits.any() else 1.0,
+        out.append(dict(threshold=float(t), precision=right / hits.sum() if hits.any() else 1.0,
                         recall=right / labels.sum(), hit_rate=float(hits.mean())))
     return out
 
@@ -131,6 +131,15 @@ def stream(cache, pairs, answer_fn):
         else:
             counts["right_hits" if (entry["query"], b) in paraphrases or entry["query"] == b else "wrong_hits"] += 1
     return counts
+
+
+def format_sweep(points):
+    """The sweep as its own table: threshold, precision, recall, hit rate, each column to one precision."""
+    places = max(2, *(len(f"{p['threshold']:g}".partition(".")[2]) for p in points))  # 0.82 and 0.855 both exact
+    lines = [f"{'threshold':>9}  {'precision':>9}  {'recall':>6}  {'hit rate':>8}", "-" * 38]
+    lines += [f"{p['threshold']:>9.{places}f}  {p['precision']:>9.3f}  {p['recall']:>6.3f}  {p['hit_rate']:>8.3f}"
+              for p in points]
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -164,10 +173,7 @@ def main(argv=None):
     similarities = (embed([p[1] for p in pairs]) * embed([p[2] for p in pairs])).sum(axis=1)  # cosine, [n]
     fine = sweep(similarities, labels, np.round(np.arange(0.5, 0.991, 0.01), 3))
     best = best_threshold(fine)
-    rows = [iu.make_row(f"pairs, threshold {p['threshold']:.2f}", **{k: v for k, v in p.items() if k != "threshold"})
-            for p in sweep(similarities, labels, sorted(set(TABLE_THRESHOLDS) | {args.threshold}))]
-    for row in rows:
-        row.update(precision=f"{row['precision']:.3f}", recall=f"{row['recall']:.3f}", hit_rate=f"{row['hit_rate']:.0%}")
+    table_sweep = sweep(similarities, labels, sorted(set(TABLE_THRESHOLDS) | {args.threshold}))
 
     # 2. the cache on a stream of queries, at --threshold
     cache = sc.ScopedSemanticCache(embed, args.threshold)
@@ -178,9 +184,10 @@ def main(argv=None):
     prompt = prompt_ids(PROBES["semantic cache hit"], data, preset.seqlen, device)  # [1, S]
     model_fn = lambda n: generate_kvcache(model, prompt, n, preset.seqlen)  # noqa: E731
     timing = iu.measure_generation(model_fn, args.n_tokens, 1, device, repeats=args.repeats)
-    index_mb = f"{stats['entries'] * embed.dim * 4 / 2**20:.3f}"  # a flat index is its vectors
-    rows.append(iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
-                            peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device)))
+    index_mb = stats["entries"] * embed.dim * 4 / 2**20  # a flat index is its vectors
+    rows = [iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
+                        peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device),
+                        lookup_ms=None, index_mb=None, served=None)]
     for name, probe in PROBES.items():
         lookup = lambda: cache.lookup(probe)  # noqa: E731
         ms, miss = iu.time_fn(lookup, device, repeats=args.repeats) * 1e3, name.endswith("miss")
@@ -188,23 +195,17 @@ def main(argv=None):
         total = ttft + (timing["tpot_ms"] * (args.n_tokens - 1) if miss else 0)
         rows.append(iu.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
                                 tokens_per_s=args.n_tokens / total * 1e3, peak_mem_mb=iu.peak_memory_mb(lookup, device),
-                                val_loss=val_loss, index_mb=index_mb, lookup_ms=f"{ms:.2f}",
+                                val_loss=val_loss, lookup_ms=ms, index_mb=index_mb,
                                 served="yes" if cache.lookup(probe)[2] else "no"))
-    columns = dict.fromkeys(k for row in rows for k in row)  # every extra column on every row
-    rows = [{k: row.get(k) for k in columns} for row in rows]
+    # the extra columns as text, one precision per column (format_table prints extras as they are)
+    shown = [dict(r, lookup_ms=None if r["lookup_ms"] is None else f"{r['lookup_ms']:.2f}",
+                  index_mb=None if r["index_mb"] is None else f"{r['index_mb']:.3f}") for r in rows]
 
     print(f"\n{len(pairs)} labelled pairs ({labels.sum()} paraphrases, {(~labels).sum()} near-misses) from {args.pairs}; "
-          f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s); "
-          f"answers of {args.n_tokens} characters, median of {args.repeats} runs")
-    iu.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
-    print("TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the whole "
-          "answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, one request")
-    print(f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
-          f"({len({p[1] for p in pairs})} distinct), then each second query: "
-          f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
-          f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} lookups "
-          f"(exact {stats['exact_hits']}, semantic {stats['semantic_hits']})")
+          f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s)")
+    print(format_sweep(table_sweep))
+    print("a pair hits when the cosine similarity of its two queries is at least the threshold; precision = right "
+          "hits / hits, recall = right hits / paraphrase pairs, hit rate = hits / pairs")
     if best is not None:
         plateau = [p["threshold"] for p in fine if (p["precision"], p["recall"]) == (best["precision"], best["recall"])]
         print(f"highest recall with precision >= 0.9 on these pairs: thresholds {plateau[0]:.2f} to {plateau[-1]:.2f} "
@@ -216,6 +217,18 @@ def main(argv=None):
     for s, a, b in wrong:
         print(f"  near-miss served at {s:.3f}: {a!r} / {b!r}")
 
+    print(f"\nthe cache at threshold {args.threshold}: answers of {args.n_tokens} characters, "
+          f"median of {args.repeats} runs")
+    iu.print_table(shown, untrained=args.untrained)
+    print(iu.peak_memory_label(device))
+    print("TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the whole "
+          "answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, one request")
+    print(f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
+          f"({len({p[1] for p in pairs})} distinct), then each second query: "
+          f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
+          f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} lookups "
+          f"(exact {stats['exact_hits']}, semantic {stats['semantic_hits']})")
+
     if args.plot:
         fig, ax = iu.new_figure()
         ts = [p["threshold"] for p in fine]
@@ -226,10 +239,10 @@ def main(argv=None):
                title=f"{len(pairs)} labelled pairs, {args.encoder.split('/')[-1]}")
         ax.legend()
         iu.save_plot(fig, args.plot)
-    if args.json:
+    if args.json:  # rows: the cache table, numbers unformatted; threshold_table: the sweep table; sweep: step 0.01
         iu.save_json(args.json, "main_semantic_cache.py", preset, device, rows, untrained=args.untrained,
-                     encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs), sweep=fine,
-                     best_threshold=best, stream=counts, cache_stats=stats,
+                     encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs),
+                     threshold_table=table_sweep, sweep=fine, best_threshold=best, stream=counts, cache_stats=stats,
                      similarities=[round(float(s), 4) for s in similarities])
 
 

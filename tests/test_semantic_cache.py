@@ -4,6 +4,7 @@ input); both with the real all-MiniLM-L6-v2 on the shipped pairs; main_semantic_
 import collections
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -467,10 +468,10 @@ def test_the_posts_usage_as_written_with_the_real_encoder(encoder, monkeypatch):
     assert results[0] == ("answer to How do I delete a file?", -1.0, False)
     paraphrase_hit = cos[1, 0] >= 0.85
     assert results[1][1] == pytest.approx(cos[1, 0], abs=1e-4) and results[1][2] == paraphrase_hit
-    assert results[1][0] == ("answer to How do I delete a file?" if paraphrase_hit else "answer to How can I remove a file?")
+    assert results[1][0] == f"answer to {queries[0] if paraphrase_hit else queries[1]}"
     stored = [0] if paraphrase_hit else [0, 1]
-    assert results[2] == ("answer to What is the tallest mountain in Africa?", pytest.approx(max(cos[2, stored]), abs=1e-4),
-                          False) and max(cos[2, stored]) < 0.5
+    nearest = max(cos[2, stored])  # the best score among the stored queries: a miss
+    assert results[2] == (f"answer to {queries[2]}", pytest.approx(nearest, abs=1e-4), False) and nearest < 0.5
     assert results[3] == ("answer to How do I delete a file?", pytest.approx(1.0, abs=1e-4), True)
     assert generate_fn.calls == [queries[i] for i in stored] + [queries[2]] and cache.index.ntotal == len(stored) + 1
     assert cache.embed_fn.model_name == sc.DEFAULT_ENCODER and cache.index.d == 384
@@ -480,9 +481,9 @@ def test_real_encoder_a_save_refuses_another_encoder_of_the_same_dimension(encod
     cache = ScopedSemanticCache(encoder)
     cache("How do I delete a file?", Model())
     cache.save(tmp_path / "c.npz")
-    other = named_embedder("sentence-transformers/all-mpnet-base-v2-cut-to-384", 384)
+    other = named_embedder("another-encoder-of-384-dims", 384)
     with pytest.raises(ValueError, match=rf"saved with the encoder '{sc.DEFAULT_ENCODER}' \(384 dims\) but this cache "
-                                         r"embeds with 'sentence-transformers/all-mpnet-base-v2-cut-to-384' \(384 dims\)"):
+                                         r"embeds with 'another-encoder-of-384-dims' \(384 dims\)"):
         ScopedSemanticCache(other).load(tmp_path / "c.npz")
     loaded = ScopedSemanticCache(encoder)  # a fresh cache with the same encoder
     loaded.load(tmp_path / "c.npz")
@@ -506,12 +507,24 @@ def test_main_semantic_cache_end_to_end(real_data, encoder, tmp_path, capsys, mo
                               "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert "near-miss served at" in printed and "meaningless" in printed
+    # the sweep is its own table, one line per threshold, three decimals in each figure column
+    sweep_lines = re.findall(r"^ +(0\.\d\d) +(\d\.\d{3}) +(\d\.\d{3}) +(\d\.\d{3})$", printed, re.MULTILINE)
+    assert [t for t, *_ in sweep_lines] == ["0.50", "0.60", "0.70", "0.75", "0.80", "0.82", "0.85", "0.90", "0.95"]
+    assert "threshold  precision  recall  hit rate" in printed and "pairs, threshold" not in printed
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert float(rows[f"pairs, threshold {sc.DEFAULT_THRESHOLD:.2f}"]["precision"]) >= 0.9
+    assert list(rows) == ["GPTlite call (no cache)", "exact-match hit", "semantic cache hit", "semantic cache miss"]
+    at_default = {p["threshold"]: p for p in result["threshold_table"]}[sc.DEFAULT_THRESHOLD]
+    assert at_default["precision"] >= 0.9 and [f"{at_default[k]:.3f}" for k in ("precision", "recall", "hit_rate")] \
+        == list(dict((t, rest) for t, *rest in sweep_lines)["0.82"])
     assert [rows[v]["served"] for v in ("exact-match hit", "semantic cache hit", "semantic cache miss")] == \
         ["yes", "yes", "no"]
     assert rows["semantic cache hit"]["tpot_ms"] is None and rows["GPTlite call (no cache)"]["tpot_ms"] > 0
+    assert rows["GPTlite call (no cache)"]["lookup_ms"] is None and rows["semantic cache hit"]["lookup_ms"] > 0
+    table = printed[printed.index("variant"):]  # the cache table: extras to 2 and 3 decimals
+    hit_line = next(line for line in table.splitlines() if line.startswith("semantic cache hit"))
+    assert re.search(rf" {rows['semantic cache hit']['lookup_ms']:.2f} +{rows['semantic cache hit']['index_mb']:.3f} "
+                     r"+yes$", hit_line)
     stream, n_pairs = result["stream"], result["n_pairs"]
     assert sum(stream.values()) == n_pairs and stream["wrong_hits"] <= 0.1 * (stream["right_hits"] + stream["wrong_hits"])
     assert result["best_threshold"]["precision"] >= 0.9
@@ -583,6 +596,16 @@ def test_a_pairs_file_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "pairs.tsv"
     path.write_text("label\tquery_a\tquery_b\nsame\tCafé?\tA café?\ndifferent\ta\tb\n", encoding="utf-8-sig")
     assert main_semantic_cache.load_pairs(path) == [(True, "Café?", "A café?"), (False, "a", "b")]
+
+
+def test_format_sweep_one_precision_per_column():
+    points = [dict(threshold=0.5, precision=0.53333, recall=1.0, hit_rate=0.9375),
+              dict(threshold=0.855, precision=0.9, recall=0.9, hit_rate=0.5)]
+    assert main_semantic_cache.format_sweep(points) == "\n".join([
+        "threshold  precision  recall  hit rate",
+        "--------------------------------------",
+        "    0.500      0.533   1.000     0.938",
+        "    0.855      0.900   0.900     0.500"])
 
 
 @pytest.mark.parametrize("whole_sequence", [False, True])
