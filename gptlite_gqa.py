@@ -21,11 +21,19 @@ from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, \
     scaled_dot_product_attention_kv_cache
 
 
+def group_counts(n_heads):
+    """Every valid n_groups, MHA (n_heads) first, MQA (1) last."""
+    return [g for g in range(n_heads, 0, -1) if n_heads % g == 0]
+
+
+def variant_name(n_groups, n_heads):
+    return "MHA" if n_groups == n_heads else "MQA" if n_groups == 1 else f"GQA-{n_groups}"
+
+
 def check_n_groups(n_heads, n_groups):
     if not isinstance(n_groups, int) or not 1 <= n_groups <= n_heads or n_heads % n_groups:
-        divisors = [g for g in range(1, n_heads + 1) if n_heads % g == 0]
         raise ValueError(f"n_groups must divide n_heads={n_heads} (every group has as many query heads), "
-                         f"got {n_groups!r}; choose one of {divisors}")
+                         f"got {n_groups!r}; choose one of {sorted(group_counts(n_heads))}")
 
 
 def grouped_query_attention(Q, K, V, dropout=None):
@@ -93,13 +101,23 @@ def convert_mha_to_gqa(state_dict, n_heads, d_head, n_groups):
     return converted
 
 
+def gqa_from_mha(mha_state, config, n_groups):
+    """A GPTlite_GQA of `config` (GPTlite's keyword arguments) holding the multi-head weights `mha_state`
+    converted to n_groups key/value heads (on the CPU: move it where it runs)."""
+    model = GPTlite_GQA(**config, n_groups=n_groups)
+    model.load_state_dict(convert_mha_to_gqa(mha_state, config["n_heads"], config["d_head"], n_groups))
+    return model
+
+
 def load_gqa(path, device="cpu"):
-    """The uptrained GPTlite_GQA that main_gqa.py saved (its config holds n_groups), in eval mode."""
+    """The uptrained GPTlite_GQA that `python main_gqa.py --save PATH` saved (its config holds n_groups),
+    in eval mode."""
     import inference_utils as iu
+    # MERGE: pass rebuild=f"python main_gqa.py --save {path}" once iu.load_checkpoint takes it
     ckpt = iu.load_checkpoint(path)
     if "n_groups" not in ckpt["config"]:
         raise iu.CheckpointError(f"{path} is not a GQA checkpoint (no n_groups in its config); "
-                                 "make one with: python main_gqa.py")
+                                 f"make one with: python main_gqa.py --save {path}")
     model = GPTlite_GQA(**ckpt["config"])
     model.load_state_dict(ckpt["state_dict"])
     return model.to(device).eval()

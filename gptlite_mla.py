@@ -137,3 +137,11 @@ def convert_mha_to_mla(state_dict, n_heads, d_head, d_latent):
         converted[prefix + "key_up.bias"] = state_dict[prefix + "key_proj.bias"].clone()
         converted[prefix + "value_up.bias"] = state_dict[prefix + "value_proj.bias"].clone()
     return converted
+
+
+def mla_from_mha(mha_state, config, d_latent):
+    """A GPTlite_MLA of `config` (GPTlite's keyword arguments) holding the multi-head weights `mha_state`
+    converted to latents of d_latent values (on the CPU: move it where it runs)."""
+    model = GPTlite_MLA(**config, d_latent=d_latent)
+    model.load_state_dict(convert_mha_to_mla(mha_state, config["n_heads"], config["d_head"], d_latent))
+    return model

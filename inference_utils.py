@@ -592,6 +592,136 @@ def kv_cache_bytes(kv_cache):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Experiments on derived models (main_gqa, main_mla, main_distillation, main_pruning): uptraining,
+# the cached-against-full check, a model's config and its KV-cache twin, measuring a list of models,
+# saving a derived checkpoint that is checked before it replaces anything.
+
+def uptrain_budget(preset, steps=None, lr=None):
+    """Steps (default: 5% of the checkpoint's training) and peak learning rate (default: the preset's / 3)
+    of the short training that follows a conversion."""
+    return (steps if steps is not None else max(1, round(0.05 * preset.iters)),
+            lr if lr is not None else preset.lr / 3)
+
+
+def uptrain(model, data, preset, steps, lr, seed, name):
+    """Validation loss before and after `steps` of training (train_steps' own 10-batch figure is not used:
+    both figures come from the same validation_loss batches as every other script's)."""
+    before = validation_loss(model, data)
+    train_steps(model, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed, eval_interval=steps,
+                desc=f"uptraining {name}")
+    return before, validation_loss(model, data)
+
+
+@torch.inference_mode()
+def cached_matches_full(model, window, atol=1e-4):
+    """Prefill half of `window` [B, S], decode the rest one token at a time: the logits of the full pass
+    within `atol` (float32)? For models whose forward takes and returns a cache."""
+    full, _ = model(window)
+    half = window.shape[1] // 2
+    logits, cache = model(window[:, :half])
+    steps = [logits]
+    for t in range(half, window.shape[1]):
+        logits, cache = model(window[:, t:t + 1], cache)
+        steps.append(logits)
+    return (torch.cat(steps, dim=1) - full).abs().max().item() <= atol
+
+
+def teacher_loss_fn(teacher, loss):
+    """A train_steps loss_fn(model, x, y) = loss(student_logits, teacher_logits, targets=y), the frozen
+    teacher's logits computed without gradient (the teacher is put in eval mode: no dropout in its labels)."""
+    teacher.eval()
+
+    def loss_fn(student, x, y):
+        with torch.no_grad():
+            logits_teacher = logits_of(teacher(x))  # [B, S, vocab]
+        return loss(logits_of(student(x)), logits_teacher, targets=y)
+    return loss_fn
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_config(model):
+    """The GPTlite(**config) of a (possibly pruned) GPTlite, read from its modules; d_ff only when it
+    is not the default 4 * d_model, so that an unpruned model's config is its preset's."""
+    mha, d_model = model.blocks[0].mha, model.token_embedding.embedding_dim
+    config = dict(vocab_size=model.token_embedding.num_embeddings, d_model=d_model, n_heads=mha.n_heads,
+                  d_head=mha.d_head, n_layers=len(model.blocks), dropout_p=mha.dropout.p, seqlen=model.seqlen)
+    d_ff = model.blocks[0].ffwd.net[0].out_features
+    return config if d_ff == 4 * d_model else dict(config, d_ff=d_ff)
+
+
+def kv_cache_model(model):
+    """A GPTlite_KVCache with the config and weights of the GPTlite `model`, on its device, in eval mode."""
+    from gptlite_kvcache import GPTlite_KVCache  # gptlite_kvcache does not import this module; kept local
+    weight = model.fc_out.weight
+    cached = GPTlite_KVCache(**model_config(model)).to(weight.device, weight.dtype)
+    cached.load_state_dict(model.state_dict())
+    return cached.eval()
+
+
+def generation_figures(variants, n_tokens, batch_size, device, repeats):
+    """compare_generation of {name: fn(n)} (one warm-up, median of `repeats`, round-robin), and the peak
+    memory of generating n_tokens with each: {name: {ttft_ms, tpot_ms, tokens_per_s, peak_mem_mb}}."""
+    timings = compare_generation(variants, n_tokens, batch_size, device, warmup=1, repeats=repeats)
+    return {name: dict(timings[name], peak_mem_mb=peak_memory_mb(lambda fn=fn: fn(n_tokens), device))
+            for name, fn in variants.items()}
+
+
+def measure_models(models, data, n_tokens, prompt_len, batch_size, device, repeats, seed=0):
+    """Generation figures of each GPTlite of {name: model}, with its kv_cache_model + generate_kvcache.
+
+    Correctness first: the cached model's tokens must equal generate()'s (no cache) while they fit the
+    window. Returns {name: dict of figures} and the names whose tokens differ."""
+    from gptlite import generate
+    from gptlite_kvcache import generate_kvcache
+    prompts = sample_prompts(data, batch_size, prompt_len, seed=seed, device=device)
+    fns, figures, failures = {}, {}, []
+    for name, model in models.items():
+        cached, seqlen = kv_cache_model(model), model.seqlen
+        in_window = min(seqlen - prompt_len + 1, n_tokens)
+        if not torch.equal(generate_kvcache(cached, prompts, in_window, seqlen),
+                           generate(model.eval(), prompts, in_window, seqlen)):
+            failures.append(name)
+        fns[name] = lambda n, cached=cached, seqlen=seqlen: generate_kvcache(cached, prompts, n, seqlen)
+        with torch.inference_mode():  # the cache at the end of generation: the last min(length, seqlen) tokens
+            full = torch.ones(batch_size, min(prompt_len + n_tokens - 1, seqlen), dtype=torch.long, device=device)
+            kv_mb = kv_cache_bytes(cached(full)[1]) / 2**20
+        figures[name] = dict(params=n_params(model), size_mb=model_size_mb(model), kv_cache_mb=kv_mb)
+    timings = generation_figures(fns, n_tokens, batch_size, device, repeats)
+    return {name: dict(figures[name], **timings[name]) for name in models}, failures
+
+
+def rebuild_command(script, argv, preset):
+    """The shell command that reruns `script` with these flags (the preset named): what rebuilds a
+    file it saved."""
+    import shlex
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+        argv = ["--preset", preset.name] + argv
+    return shlex.join(["python", script] + argv)
+
+
+def save_and_reload(path, model, config, vocab, rebuild, **meta):
+    """Save `model` with its config, load it back as type(model)(**config) and check that the logits are
+    identical; only then does the file replace `path` (an error leaves whatever was there)."""
+    device = next(model.parameters()).device
+    x = torch.randint(config["vocab_size"], (2, config["seqlen"]), device=device)
+    with atomic_file(path) as tmp:
+        save_checkpoint(tmp, model, config, vocab, rebuild=rebuild, **meta)
+        # MERGE: pass rebuild=rebuild here too once load_checkpoint takes it
+        ckpt = load_checkpoint(tmp, vocab=vocab)
+        reloaded = type(model)(**ckpt["config"]).to(device).eval()
+        reloaded.load_state_dict(ckpt["state_dict"])
+        with torch.no_grad():
+            if not torch.equal(logits_of(model.eval()(x)), logits_of(reloaded(x))):
+                raise GPTliteError(f"{path}: the reloaded {type(model).__name__} gives other logits than the "
+                                   "saved model; this is a bug (nothing saved)")
+    print(f"saved {path}; reloaded as {type(model).__name__}(**config): identical logits")
+
+
+# ----------------------------------------------------------------------------------------------------
 # Flags, set-up and reporting.
 
 def int_at_least(low):

@@ -16,11 +16,13 @@ original model as teacher: (1) one shot, then distill; (2) iteratively, --step o
 neurons at a time, re-scoring and distilling after each step; (3) baseline: the same small architecture
 from random weights. The script checks that the pruned model's logits equal the original's with the
 removed heads' outputs and neurons' activations zeroed, and reports the loss right after pruning by
-importance against pruning random heads and neurons. The best pruned model is saved to
-checkpoints/pruned_from_<preset>.pt.
+importance against pruning random heads and neurons. Nothing is written unless every check passes;
+with --save PATH the best pruned model is kept, a plain GPTlite whose config has n_heads and d_ff:
+iu.load_checkpoint(PATH), then GPTlite(**ckpt["config"]).
 """
 import argparse
 import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -28,22 +30,23 @@ import torch.nn as nn
 
 import inference_utils as iu
 from gptlite import GPTlite
-from main_distillation import (add_run_args, check_run_args, distillation_loss_fn, measure_models,
-                               save_and_reload)
+from main_distillation import distillation_loss  # the post's reuse: pruning recovers by distillation
 
 DEFAULT_ITERS = {"cpu": 200}  # distillation steps per variant; other presets: 2000
+ZEROED_ATOL = 1e-4  # float32 logits of the pruned model against the original with the same heads and neurons zeroed
 
 
 @torch.no_grad()
 def compute_importance(model, data, n_batches, batch_size, seqlen, seed=0):
     """Importance of every head and MLP neuron of every block, summed over `n_batches` calibration
-    batches of the training split. Returns heads [n_layers, n_heads] and neurons [n_layers, d_ff]."""
+    batches of the training split. Returns heads and neurons, lists with one tensor per block:
+    [n_heads] and [d_ff]."""
     if min(n_batches, batch_size) < 1 or not 1 <= seqlen <= model.seqlen:
         raise ValueError(f"need n_batches, batch_size >= 1 and 1 <= seqlen <= {model.seqlen}, "
                          f"got {n_batches}, {batch_size}, {seqlen}")
     device = next(model.parameters()).device
-    heads = torch.zeros(len(model.blocks), model.blocks[0].mha.n_heads, device=device)
-    neurons = torch.zeros(len(model.blocks), model.blocks[0].ffwd.net[0].out_features, device=device)
+    heads = [torch.zeros(block.mha.n_heads, device=device) for block in model.blocks]
+    neurons = [torch.zeros(block.ffwd.net[0].out_features, device=device) for block in model.blocks]
 
     def head_hook(layer, mha):
         def hook(module, args):  # forward pre-hook of out_proj: args[0] is the merged heads [B, S, H*D]
@@ -96,13 +99,15 @@ def prune_linear(linear, rows=None, columns=None):
 
 
 def prune(model, heads, neurons, n_heads, n_neurons):
-    """Keep the n_heads most important heads and n_neurons most important MLP neurons of every block
-    (importance as from compute_importance), slicing the weights in place. Returns the model."""
+    """Keep the n_heads most important heads and n_neurons most important MLP neurons of every block,
+    slicing the weights in place. heads, neurons: one score tensor per block, [n_heads] and [d_ff], as
+    compute_importance returns them (or stacked: [n_layers, n_heads], [n_layers, d_ff]). Returns the model."""
     blocks = model.blocks
     H, d_ff = blocks[0].mha.n_heads, blocks[0].ffwd.net[0].out_features
-    if tuple(heads.shape) != (len(blocks), H) or tuple(neurons.shape) != (len(blocks), d_ff):
-        raise ValueError(f"importance shapes {tuple(heads.shape)}, {tuple(neurons.shape)} do not fit the model: "
-                         f"expected ({len(blocks)}, {H}) and ({len(blocks)}, {d_ff})")
+    shapes = [tuple(t.shape) for t in heads], [tuple(t.shape) for t in neurons]
+    if shapes != ([(H,)] * len(blocks), [(d_ff,)] * len(blocks)):
+        raise ValueError(f"importance scores of shapes {shapes[0]} and {shapes[1]} do not fit the model: "
+                         f"expected {len(blocks)} of ({H},) and {len(blocks)} of ({d_ff},)")
     for name, keep, have in [("n_heads", n_heads, H), ("n_neurons", n_neurons, d_ff)]:
         if not isinstance(keep, int) or not 1 <= keep <= have:
             raise ValueError(f"{name} (kept per block) must be an integer between 1 and {have}, got {keep!r}")
@@ -121,156 +126,177 @@ def prune(model, heads, neurons, n_heads, n_neurons):
     return model
 
 
-def model_config(model):
-    """The GPTlite(**config) of a (possibly pruned) model, read from its modules."""
-    mha = model.blocks[0].mha
-    return dict(vocab_size=model.token_embedding.num_embeddings, d_model=model.token_embedding.embedding_dim,
-                n_heads=mha.n_heads, d_head=mha.d_head, n_layers=len(model.blocks), dropout_p=mha.dropout.p,
-                seqlen=model.seqlen, d_ff=model.blocks[0].ffwd.net[0].out_features)
-
-
 @torch.no_grad()
 def logits_with_zeroed(model, keep_heads, keep_neurons, x):
-    """The model's logits with every head and neuron not in keep_heads[layer] / keep_neurons[layer]
-    zeroed by hooks (its output at the input of out_proj, its ReLU activation): what pruning must give."""
-    def zero_heads(keep, mha):
-        def hook(module, args):
-            mask = torch.zeros(mha.n_heads, 1, device=x.device)
-            mask[keep] = 1
-            return (args[0] * mask.repeat_interleave(mha.d_head, dim=0).flatten(),)  # [B, S, H*D]
-        return hook
-
-    def zero_neurons(keep):
-        def hook(module, args, out):
-            mask = torch.zeros(out.shape[-1], device=x.device)
-            mask[keep] = 1
-            return out * mask  # [B, S, d_ff]
-        return hook
-
-    handles = []
-    for block, kh, kn in zip(model.blocks, keep_heads, keep_neurons):
-        handles.append(block.mha.out_proj.register_forward_pre_hook(zero_heads(kh, block.mha)))
-        handles.append(block.ffwd.net[1].register_forward_hook(zero_neurons(kn)))
-    try:
-        return model.eval()(x)
-    finally:
-        for handle in handles:
-            handle.remove()
+    """The model's logits on x when only the heads keep_heads[layer] and neurons keep_neurons[layer] speak:
+    on a copy, the columns of out_proj that read the other heads and of the second MLP layer that read the
+    other neurons are zeroed. What pruning must give, without removing anything."""
+    zeroed = copy.deepcopy(model).eval()
+    for block, kept_heads, kept_neurons in zip(zeroed.blocks, keep_heads, keep_neurons):
+        out_proj, mlp_out = block.mha.out_proj, block.ffwd.net[2]
+        head_of_column = torch.arange(out_proj.in_features, device=x.device) // block.mha.d_head  # [H*D]
+        neuron_of_column = torch.arange(mlp_out.in_features, device=x.device)  # [d_ff]
+        out_proj.weight[:, ~torch.isin(head_of_column, kept_heads.to(x.device))] = 0
+        mlp_out.weight[:, ~torch.isin(neuron_of_column, kept_neurons.to(x.device))] = 0
+    return zeroed(x)
 
 
-def check_args(args, parser, preset):
-    check_run_args(args, parser, preset)
-    for flag, value in [("--calib-batches", args.calib_batches), ("--random-draws", args.random_draws),
-                        ("--batch-size", args.batch_size)]:
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
-    if not 0 < args.keep < 1:
-        parser.error(f"--keep (fraction of heads and neurons kept) must be between 0 and 1, got {args.keep}")
-    if not 0 < args.step <= 1 - args.keep:
-        parser.error(f"--step must be positive and at most 1 - --keep = {1 - args.keep:g}, got {args.step}")
-    if args.iters is not None and args.iters < n_stages(args):
-        parser.error(f"--iters must be at least the {n_stages(args)} iterative steps (one distillation step each)")
-    if not 0 <= args.alpha <= 1:
-        parser.error(f"--alpha must be between 0 and 1, got {args.alpha}")
+def prune_one_shot(teacher, heads, neurons, n_heads, n_neurons, x):
+    """A pruned copy of the teacher, checked first: its logits on x [B, S] must be the teacher's with the
+    same heads and neurons zeroed, up to float32 rounding. Returns it and the max |logit difference|."""
+    pruned = prune(copy.deepcopy(teacher), heads, neurons, n_heads, n_neurons)
+    keep_heads, keep_neurons = [top_indices(h, n_heads) for h in heads], [top_indices(n, n_neurons) for n in neurons]
+    with torch.no_grad():
+        error = (pruned(x) - logits_with_zeroed(teacher, keep_heads, keep_neurons, x)).abs().max().item()
+    if error > ZEROED_ATOL:
+        raise iu.GPTliteError(f"the pruned model differs from the original with those heads and neurons zeroed "
+                              f"(max |logit diff| {error:.1e}); this is a bug (nothing written)")
+    return pruned, error
 
 
-def n_stages(args):
-    return max(round((1 - args.keep) / args.step), 1)
+def random_pruning_losses(teacher, data, n_heads, n_neurons, draws, seed):
+    """Validation loss right after keeping random heads and neurons (as many as by importance), per draw."""
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(draws):
+        heads = [torch.rand(block.mha.n_heads, generator=generator) for block in teacher.blocks]
+        neurons = [torch.rand(block.ffwd.net[0].out_features, generator=generator) for block in teacher.blocks]
+        losses.append(iu.validation_loss(prune(copy.deepcopy(teacher), heads, neurons, n_heads, n_neurons), data))
+    return losses
+
+
+def distill_curve(distill, model, data, n_steps, desc, start=0):
+    """Distill `model` for n_steps. Returns its loss before and its curve [(step, loss)], counted from `start`."""
+    before = iu.validation_loss(model, data)
+    return before, [(start, before)] + [(start + h["step"], h["val_loss"])
+                                        for h in distill(model, n_steps=n_steps, desc=desc)]
+
+
+def iterative_pruning(teacher, data, importance, distill, keep, n_stages, n_heads, n_neurons, iters):
+    """n_stages times: re-score, prune to the next size (1 - keep of the original removed in equal steps),
+    distill; iters steps in all. Returns the model, its loss right after the last prune and its curve."""
+    model, done, curve = copy.deepcopy(teacher), 0, []
+    H, d_ff = teacher.blocks[0].mha.n_heads, teacher.blocks[0].ffwd.net[0].out_features
+    for stage in range(1, n_stages + 1):
+        fraction = 1 - (1 - keep) * stage / n_stages
+        heads, neurons = importance(model)
+        prune(model, heads, neurons, max(round(fraction * H), n_heads), max(round(fraction * d_ff), n_neurons))
+        n_steps = iters * stage // n_stages - done
+        desc = f"iterative {stage}/{n_stages}, distilling"
+        pruned_loss, part = distill_curve(distill, model, data, n_steps, desc, done)
+        curve, done = curve + part, done + n_steps
+    return model, pruned_loss, curve
+
+
+def from_scratch(config, data, distill, iters, seed, device):
+    """The baseline: the pruned architecture from random weights, distilled with the same budget.
+    Returns the model, its loss before training and its curve."""
+    torch.manual_seed(seed)
+    model = GPTlite(**config).to(device)
+    return (model, *distill_curve(distill, model, data, iters, "random init, distilling"))
+
+
+NAMES = {"original": "original", "one-shot": "one-shot + distill", "iterative": "iterative + distill",
+         "random init": "random init + distill"}
+
+
+def table_rows(figures, val_losses, pruned_loss, random_losses):
+    rows = [iu.make_row(NAMES[name], **figures[name], val_loss=val_losses[name], val_pruned=pruned_loss.get(name))
+            for name in figures]
+    pruned = figures["one-shot"]
+    rows.insert(2, iu.make_row(f"random prune (mean of {len(random_losses)})", params=pruned["params"],
+                               size_mb=pruned["size_mb"], val_pruned=sum(random_losses) / len(random_losses)))
+    return rows
+
+
+def plot_curves(curves, original_loss, path, title):
+    fig, ax = iu.new_figure()
+    for name, curve in curves.items():
+        ax.plot(*zip(*curve), marker="o", markersize=3, label=NAMES[name])
+    ax.axhline(original_loss, color="gray", linestyle="--", label="original")
+    ax.set(xlabel="distillation steps", ylabel="validation loss (nats/char)", title=title)
+    ax.legend()
+    iu.save_plot(fig, path)
+
+
+def n_stages(keep, step):
+    return max(round((1 - keep) / step), 1)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    add = parser.add_argument
+    add("--iters", type=iu.int_at_least(1), default=None,
+        help=f"distillation steps of each variant (default: {DEFAULT_ITERS['cpu']} for the cpu preset, else 2000)")
+    add("--keep", type=iu.float_in(0, 1, low_open=True, high_open=True), default=0.5,
+        help="fraction of the heads and MLP neurons kept per block, in (0, 1)")
+    add("--step", type=iu.float_in(0, 1, low_open=True), default=0.1,
+        help="fraction of the original heads and neurons removed per iterative step (at most 1 - --keep)")
+    add("--temperature", type=iu.positive_float, default=2.0, help="softening temperature T of the soft labels")
+    add("--alpha", type=iu.float_in(0, 1), default=0.0, help="weight of the hard labels in the distillation loss")
+    add("--lr", type=iu.positive_float, default=None, help="peak learning rate of distillation (default: the preset's)")
+    add("--batch-size", type=iu.int_at_least(1), default=None,
+        help="distillation and calibration batch (default: the preset's)")
+    add("--calib-batches", type=iu.int_at_least(1), default=8, help="calibration batches of the importance scores")
+    add("--random-draws", type=iu.int_at_least(1), default=5, help="random prunings compared with the pruning by importance")
+    add("--save", default=None, metavar="PATH", help="also save the best pruned model there (default: not saved)")
+    add("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length of the timed generation")
+    add("--n-tokens", type=iu.int_at_least(2), default=128, help="new tokens per prompt of the timed generation")
+    add("--repeats", type=iu.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
+    args = parser.parse_args(argv)
+
+    def check_args(preset):
+        if args.step > 1 - args.keep + 1e-9:  # --keep 0.9 --step 0.1: 1 - 0.9 is 0.0999... in floating point
+            parser.error(f"--step must be at most 1 - --keep = {1 - args.keep:g}, got {args.step}")
+        stages = n_stages(args.keep, args.step)
+        if args.iters is not None and args.iters < stages:
+            parser.error(f"--iters must be at least the {stages} iterative steps (one distillation step each)")
+        if args.prompt_len > preset.seqlen:
+            parser.error(f"--prompt-len must be at most the model's seqlen={preset.seqlen}, got {args.prompt_len}")
+        if args.save is not None and (Path(args.save).is_dir() or not Path(args.save).resolve().parent.is_dir()):
+            parser.error(f"--save {args.save}: give a file path in a folder that exists")
+    return args, parser, check_args
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
-    parser.add_argument("--iters", type=int, default=None,
-                        help=f"distillation steps of each variant (default: {DEFAULT_ITERS['cpu']} for the cpu preset, else 2000)")
-    parser.add_argument("--keep", type=float, default=0.5, help="fraction of the heads and MLP neurons kept per block")
-    parser.add_argument("--step", type=float, default=0.1,
-                        help="fraction of the original heads and neurons removed per iterative step")
-    parser.add_argument("--alpha", type=float, default=0.0, help="weight of the hard labels in the distillation loss")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate of the distillation (default: the preset's)")
-    parser.add_argument("--batch-size", type=int, default=None, help="distillation and calibration batch (default: the preset's)")
-    parser.add_argument("--calib-batches", type=int, default=8, help="calibration batches of the importance scores")
-    parser.add_argument("--random-draws", type=int, default=5, help="random prunings compared with pruning by importance")
-    add_run_args(parser, "best pruned model")
-    args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset))
-
+    args, parser, check_args = parse_args(argv)
+    preset, device, data = iu.setup(args, parser, check_args)
     teacher = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     teacher.requires_grad_(False)
-    iters = args.iters or DEFAULT_ITERS.get(preset.name, 2000)
-    lr, batch_size = args.lr or preset.lr, args.batch_size or preset.batch_size
+    iters = args.iters if args.iters is not None else DEFAULT_ITERS.get(preset.name, 2000)
+    lr = args.lr if args.lr is not None else preset.lr
+    batch_size = args.batch_size if args.batch_size is not None else preset.batch_size
     H, d_ff = preset.n_heads, 4 * preset.d_model
     n_heads, n_neurons = max(round(args.keep * H), 1), max(round(args.keep * d_ff), 1)
-    loss_fn = distillation_loss_fn(teacher, args.temperature, args.alpha)
-    importance = lambda model: compute_importance(model, data, args.calib_batches, batch_size,  # noqa: E731
-                                                  preset.seqlen, seed=args.seed)
+    loss = functools.partial(distillation_loss, temperature=args.temperature, alpha=args.alpha)
+    distill = functools.partial(iu.train_steps, data=data, batch_size=batch_size, seqlen=preset.seqlen, lr=lr,
+                                seed=args.seed, loss_fn=iu.teacher_loss_fn(teacher, loss))
+    importance = functools.partial(compute_importance, data=data, n_batches=args.calib_batches, batch_size=batch_size,
+                                   seqlen=preset.seqlen, seed=args.seed)
     print(f"pruning every block from {H} heads and {d_ff} neurons to {n_heads} and {n_neurons}; "
           f"{iters} distillation steps of batch {batch_size} per variant, lr {lr}, T={args.temperature}, alpha={args.alpha}")
 
-    def distill(model, n_steps, desc):
-        return iu.train_steps(model, data, n_steps, batch_size, preset.seqlen, lr, seed=args.seed,
-                              loss_fn=loss_fn, desc=desc)
-
-    # (1) one shot, checked against the original with the removed heads and neurons zeroed
-    heads, neurons = importance(teacher)
-    one_shot = prune(copy.deepcopy(teacher), heads, neurons, n_heads, n_neurons)
+    # (1) one shot, checked first against the original with the removed heads and neurons zeroed
     x, _ = iu.get_batch(data.val, 4, preset.seqlen, torch.Generator().manual_seed(args.seed), device)
-    keep_h, keep_n = [top_indices(h, n_heads) for h in heads], [top_indices(n, n_neurons) for n in neurons]
-    with torch.no_grad():
-        error = (one_shot(x) - logits_with_zeroed(teacher, keep_h, keep_n, x)).abs().max().item()
-    pruned_loss, curves = {"one-shot": iu.validation_loss(one_shot, data)}, {}
-    curves["one-shot"] = [(0, pruned_loss["one-shot"])] + [
-        (h["step"], h["val_loss"]) for h in distill(one_shot, iters, "one-shot, distilling")]
-
-    # does the importance score matter? the same sizes with random heads and neurons kept
-    generator = torch.Generator().manual_seed(args.seed)
-    random_losses = [iu.validation_loss(prune(copy.deepcopy(teacher), torch.rand(heads.shape, generator=generator),
-                                              torch.rand(neurons.shape, generator=generator), n_heads, n_neurons), data)
-                     for _ in range(args.random_draws)]
-
-    # (2) iteratively: re-score, remove --step of the original, distill; the same total steps
-    stages = n_stages(args)
-    iterative, done, curves["iterative"] = copy.deepcopy(teacher), 0, []
-    for stage in range(1, stages + 1):
-        fraction = 1 - (1 - args.keep) * stage / stages
-        h, n = importance(iterative)
-        prune(iterative, h, n, max(round(fraction * H), n_heads), max(round(fraction * d_ff), n_neurons))
-        pruned_loss["iterative"] = iu.validation_loss(iterative, data)  # the last one: right after reaching the size
-        curves["iterative"].append((done, pruned_loss["iterative"]))
-        n_steps = iters * stage // stages - done
-        curves["iterative"] += [(done + p["step"], p["val_loss"])
-                                for p in distill(iterative, n_steps, f"iterative {stage}/{stages}, distilling")]
-        done += n_steps
-
-    # (3) baseline: the pruned architecture from random weights
-    config = model_config(one_shot)
-    torch.manual_seed(args.seed)
-    scratch = GPTlite(**config).to(device)
-    pruned_loss["random init"] = iu.validation_loss(scratch, data)
-    curves["random init"] = [(0, pruned_loss["random init"])] + [
-        (h["step"], h["val_loss"]) for h in distill(scratch, iters, "random init, distilling")]
+    one_shot, error = prune_one_shot(teacher, *importance(teacher), n_heads, n_neurons, x)
+    pruned_loss, curves = {}, {}
+    pruned_loss["one-shot"], curves["one-shot"] = distill_curve(distill, one_shot, data, iters, "one-shot, distilling")
+    random_losses = random_pruning_losses(teacher, data, n_heads, n_neurons, args.random_draws, args.seed)
+    # (2) iteratively, the same total steps; (3) the baseline: the same architecture from random weights
+    iterative, pruned_loss["iterative"], curves["iterative"] = iterative_pruning(
+        teacher, data, importance, distill, args.keep, n_stages(args.keep, args.step), n_heads, n_neurons, iters)
+    config = iu.model_config(one_shot)
+    scratch, pruned_loss["random init"], curves["random init"] = from_scratch(config, data, distill, iters,
+                                                                             args.seed, device)
 
     students = {"one-shot": one_shot, "iterative": iterative, "random init": scratch}
-    val_losses = {name: iu.validation_loss(m, data) for name, m in students.items()}
-    val_losses["original"] = iu.validation_loss(teacher, data)
+    val_losses = {"original": iu.validation_loss(teacher, data)} | {n: iu.validation_loss(m, data)
+                                                                     for n, m in students.items()}
     best = min(("one-shot", "iterative"), key=val_losses.get)
-    reloaded_ok, save = True, args.save or (None if args.untrained else iu.checkpoint_path(f"pruned_from_{preset.name}"))
-    if save:
-        reloaded_ok = save_and_reload(save, students[best], config, data.vocab, teacher=preset.name, variant=best,
-                                      iters=iters, val_loss=val_losses[best])
-
-    models = {"original": (teacher, preset.model_config())} | {n: (m, config) for n, m in students.items()}
-    figures, failures = measure_models(models, data, args.n_tokens, args.prompt_len, 1, device, args.repeats,
-                                       args.seed)
-    names = {"original": "original", "one-shot": "one-shot + distill", "iterative": "iterative + distill",
-             "random init": "random init + distill"}
-    rows = [iu.make_row(names[n], **figures[n], val_loss=val_losses[n], val_pruned=pruned_loss.get(n)) for n in models]
-    rows.insert(2, iu.make_row(f"random prune (mean of {args.random_draws})", params=figures["one-shot"]["params"],
-                               size_mb=figures["one-shot"]["size_mb"],
-                               val_pruned=sum(random_losses) / len(random_losses)))
-    for row in rows:
-        row["size_mb"] = round(row["size_mb"], 3)
-        row["val_pruned"] = round(row["val_pruned"], 4) if row["val_pruned"] is not None else None
+    figures, failures = iu.measure_models({"original": teacher} | students, data, args.n_tokens, args.prompt_len, 1,
+                                          device, args.repeats, args.seed)
+    rows = table_rows(figures, val_losses, pruned_loss, random_losses)
     print(f"\nkept {n_heads}/{H} heads and {n_neurons}/{d_ff} neurons per block; {iters} distillation steps each; "
           f"generation: batch 1, {args.prompt_len}-token prompts, {args.n_tokens} new tokens with the KV cache, median of {args.repeats}")
     print("val_pruned: right after pruning (iterative: after its last step; random init: before training); "
@@ -281,24 +307,21 @@ def main(argv=None):
     print(f"right after pruning: by importance {pruned_loss['one-shot']:.4f}, random {min(random_losses):.4f} .. "
           f"{max(random_losses):.4f}; after distillation: best pruned ({best}) {val_losses[best]:.4f} vs random "
           f"init {val_losses['random init']:.4f} ({'pruning wins' if val_losses[best] < val_losses['random init'] else 'pruning does NOT win'})")
+    if failures:
+        raise iu.GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
+                              "this is a bug (nothing written)")
 
+    if args.save:
+        iu.save_and_reload(args.save, students[best], config, data.vocab,
+                           iu.rebuild_command("main_pruning.py", argv, preset), teacher=preset.name, variant=best,
+                           iters=iters, val_loss=val_losses[best])
     if args.plot:
-        fig, ax = iu.new_figure()
-        for name, curve in curves.items():
-            ax.plot(*zip(*curve), marker="o", markersize=3, label=names[name])
-        ax.axhline(val_losses["original"], color="gray", linestyle="--", label="original")
-        ax.set(xlabel="distillation steps", ylabel="validation loss (nats/char)",
-               title=f"pruning {preset.name} to {args.keep:g} of the heads and neurons ({device})")
-        ax.legend()
-        iu.save_plot(fig, args.plot)
+        plot_curves(curves, val_losses["original"], args.plot,
+                    f"pruning {preset.name} to {args.keep:g} of the heads and neurons ({device})")
     if args.json:
         iu.save_json(args.json, "main_pruning.py", preset, device, rows, untrained=args.untrained, config=config,
                      iters=iters, lr=lr, temperature=args.temperature, alpha=args.alpha, curves=curves,
-                     random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best,
-                     saved=str(save) if save else None)
-    if error > 1e-4 or failures or not reloaded_ok:
-        raise iu.GPTliteError(f"pruned model differs from the zeroed original (max |diff| {error:.1e}), or the KV-cache "
-                              f"tokens / reloaded logits differ ({', '.join(failures) or 'checkpoint'}); this is a bug")
+                     random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best, saved=args.save)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from main_distillation import distillation_loss, distillation_loss_fn, student_preset
+from test_gqa import diverging_loss, positive_or_none, rebuild_of, unmeasurable_tpot  # noqa: F401
 
 
 def logits_pair(seed=0, shape=(2, 5, 65)):
@@ -62,6 +63,8 @@ def test_no_gradient_reaches_the_teacher():
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
+                                           (dict(temperature=float("inf")), "temperature"),
+                                           (dict(temperature=float("nan")), "temperature"),
                                            (dict(temperature=1.0, alpha=1.5), "alpha"),
                                            (dict(temperature=1.0, alpha=0.5), "targets")])
 def test_bad_input_is_a_clear_error(kwargs, match):
@@ -85,8 +88,10 @@ def quick_validation_loss(model, data, n_batches=20, batch_size=32, seqlen=None,
     return _validation_loss(model, data, n_batches=2, batch_size=8, seqlen=seqlen, seed=seed)
 
 
-def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(real_data, tmp_path, capsys, monkeypatch):
+def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(real_data, tmp_path, capsys, monkeypatch,
+                                                                             unmeasurable_tpot):
     monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)  # tiny settings: 2 batches of 8
+    unmeasurable_tpot("soft labels")
     out_json, out_png, out_ckpt = tmp_path / "d.json", tmp_path / "d.png", tmp_path / "student.pt"
     main_distillation.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "2", "--prompt-len", "8",
                             "--n-tokens", "4", "--repeats", "1", "--batch-size", "4", "--save", str(out_ckpt),
@@ -99,12 +104,19 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
     student_params = sum(p.numel() for p in GPTlite(**student_preset(iu.PRESETS["cpu"]).model_config()).parameters())
     assert rows["teacher"]["params"] > 6 * student_params and rows["hard labels"]["params"] == student_params
     for r in rows.values():
-        assert r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["val_loss"] > 0 and r["speedup"] > 0
+        assert positive_or_none(r["tpot_ms"]) and r["tokens_per_s"] > 0 and r["val_loss"] > 0
+        teacher_tpot = rows["teacher"]["tpot_ms"]
+        if teacher_tpot is None or r["tpot_ms"] is None:  # an unmeasurable TPOT: no speedup, printed "-"
+            assert r["speedup"] is None
+        else:
+            assert r["speedup"] == pytest.approx(teacher_tpot / r["tpot_ms"], abs=0.006)
+    assert rows["soft labels"]["tpot_ms"] is None and rows["soft labels"]["speedup"] is None
     assert all(len(h) == 2 for h in result["histories"].values())  # evaluated after each of the 2 steps
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     ckpt = iu.load_checkpoint(out_ckpt, vocab=real_data.vocab)
-    assert ckpt["meta"]["variant"] == result["best"]
+    assert ckpt["meta"]["variant"] == result["best"] and result["saved"] == str(out_ckpt)
+    assert rebuild_of(ckpt).startswith("python main_distillation.py --untrained --preset cpu")
     model = GPTlite(**ckpt["config"]).eval()
     model.load_state_dict(ckpt["state_dict"])
     cached = GPTlite_KVCache(**ckpt["config"]).eval()
@@ -114,9 +126,19 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
     assert iu.validation_loss(model, real_data) == pytest.approx(rows[result["best"]]["val_loss"], abs=1e-6)  # the best one
 
 
-@pytest.mark.parametrize("flags", [["--temperature", "0"], ["--temperature", "-2"], ["--alpha", "0"], ["--alpha", "1"],
+def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, monkeypatch, diverging_loss):
+    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)
+    with pytest.raises(iu.GPTliteError):
+        main_distillation.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "1", "--prompt-len", "8",
+                                "--n-tokens", "2", "--repeats", "1", "--batch-size", "2", "--save", str(tmp_path / "s.pt"),
+                                "--json", str(tmp_path / "d.json"), "--plot", str(tmp_path / "d.png")])
+    assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "0"], ["--temperature", "-2"], ["--temperature", "inf"],
+                                   ["--temperature", "nan"], ["--alpha", "0"], ["--alpha", "1"], ["--alpha", "nan"],
                                    ["--iters", "0"], ["--batch-size", "0"], ["--n-tokens", "1"], ["--prompt-len", "129"],
-                                   ["--repeats", "0"], ["--save", "/no/such/folder/s.pt"], ["--bogus"]])
+                                   ["--prompt-len", "0"], ["--repeats", "0"], ["--save", "/no/such/folder/s.pt"], ["--bogus"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:

@@ -9,7 +9,7 @@ import inference_utils as iu
 import main_gqa
 from conftest import TINY
 from gptlite import GPTlite, generate
-from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, load_gqa
+from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, group_counts, load_gqa
 from gptlite_kvcache import StaticKVCache, generate_kvcache
 
 ATOL = 1e-5  # float32
@@ -102,7 +102,7 @@ def test_cache_holds_the_groups_only_mqa_is_one_over_n_heads(config):
     x = random_tokens(2, SEQLEN)
     n_heads = config["n_heads"]
     sizes = {}
-    for n_groups in main_gqa.group_counts(n_heads):
+    for n_groups in group_counts(n_heads):
         with torch.inference_mode():
             _, cache = converted(base, config, n_groups)(x)
         assert cache[0][0].shape == (2, n_groups, SEQLEN, D)
@@ -173,33 +173,100 @@ def one_batch_validation(monkeypatch):
         model, data, n_batches=1, **kw))
 
 
-def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path, capsys, one_batch_validation):
+@pytest.fixture
+def unmeasurable_tpot(monkeypatch):
+    """compare_generation as it is, but `variant`'s TPOT None, as timing noise makes it with few tokens
+    and one repeat: the scripts' handling of None is then exercised on every run, not by chance."""
+    def patch(variant):
+        compare_generation = iu.compare_generation
+
+        def noisy(variants, *args, **kwargs):
+            results = compare_generation(variants, *args, **kwargs)
+            results[variant]["tpot_ms"] = None
+            return results
+        monkeypatch.setattr(iu, "compare_generation", noisy)
+    return patch
+
+
+@pytest.fixture
+def diverging_loss(monkeypatch):
+    """Every train_steps call trains on a NaN loss, as a run whose loss diverges."""
+    train_steps = iu.train_steps
+
+    def nan_loss(model, x, y):
+        return iu.cross_entropy_loss(model, x, y) * float("nan")
+    monkeypatch.setattr(iu, "train_steps", lambda *args, **kwargs: train_steps(*args, **{**kwargs, "loss_fn": nan_loss}))
+
+
+def rebuild_of(ckpt):
+    """The command saved with a derived checkpoint that rebuilds it (at the top or in its meta)."""
+    return ckpt.get("rebuild") or ckpt["meta"]["rebuild"]
+
+
+def positive_or_none(value):
+    """A TPOT (or a ratio of TPOTs) is positive, or None when timing noise left it unmeasurable; never <= 0."""
+    return value is None or value > 0
+
+
+def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path, capsys, one_batch_validation,
+                                                              unmeasurable_tpot):
+    unmeasurable_tpot("MQA")
     out_json, out_png, out_ckpt = tmp_path / "gqa.json", tmp_path / "gqa.png", tmp_path / "gqa.pt"
     main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                    "--n-tokens", "4", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png),
                    "--save", str(out_ckpt)])
     printed = capsys.readouterr().out
     assert "meaningless" in printed and "equals the multi-head model: yes" in printed
+    assert "identical logits" in printed
     result = json.loads(out_json.read_text())
     assert result["script"] == "main_gqa.py" and result["untrained"] and result["uptrain_steps"] == 1
+    assert result["saved"] == str(out_ckpt)
     assert all(result["checks"].values()) and set(result["checks"]) == {"MHA", "GQA-2", "MQA", "MHA conversion exact"}
     rows = result["rows"]
     assert [(r["variant"], r["n_groups"], r["kv_vs_mha"]) for r in rows] == [
-        ("MHA", 4, "1.000"), ("GQA-2", 2, "0.500"), ("MQA", 1, "0.250")]
+        ("MHA", 4, 1.0), ("GQA-2", 2, 0.5), ("MQA", 1, 0.25)]
     p = iu.PRESETS["cpu"]
     assert rows[0]["kv_cache_mb"] == pytest.approx(2 * p.n_layers * 2 * p.n_heads * p.seqlen * p.d_head * 4 / 2**20)
     for r in rows:
-        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+        assert r["ttft_ms"] > 0 and positive_or_none(r["tpot_ms"]) and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
         assert r["val_loss"] > 0 and r["loss_converted"] > 0 and r["cached_ok"] == "yes"
+        assert r["loss_vs_mha"] == pytest.approx(r["val_loss"] - rows[0]["val_loss"], abs=1e-4)
+    assert rows[2]["tpot_ms"] is None and rows[0]["loss_vs_mha"] == 0
+    assert "TPOT ms" in result["columns"][2] and "loss_vs_mha" in [c[0] for c in result["columns"]]
     base = iu.load_model(GPTlite, "cpu", untrained=True, seed=0)  # the script's random weights
     assert rows[0]["loss_converted"] == pytest.approx(iu.validation_loss(base, real_data), abs=1e-4)
-    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a None TPOT is left out of the plot
     saved = load_gqa(out_ckpt)
     assert saved.blocks[0].mha.n_groups == 2 and iu.load_checkpoint(out_ckpt)["meta"]["uptrain_steps"] == 1
+    assert rebuild_of(iu.load_checkpoint(out_ckpt)).startswith("python main_gqa.py --untrained --preset cpu --device cpu")
+
+
+def test_main_gqa_saves_nothing_unless_asked(real_data, tmp_path, monkeypatch, one_batch_validation):
+    monkeypatch.setattr(iu, "CHECKPOINT_DIR", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+                   "--n-tokens", "2", "--repeats", "1"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one_batch_validation, diverging_loss):
+    out = [tmp_path / "gqa.json", tmp_path / "gqa.png", tmp_path / "gqa.pt"]
+    with pytest.raises(iu.GPTliteError):
+        main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+                       "--n-tokens", "2", "--repeats", "1", "--json", str(out[0]), "--plot", str(out[1]),
+                       "--save", str(out[2])])
+    assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
+
+
+def test_rebuild_command_names_the_script_its_flags_and_the_preset():
+    cpu = iu.PRESETS["cpu"]
+    assert iu.rebuild_command("main_gqa.py", ["--save", "a b.pt"], cpu) == "python main_gqa.py --preset cpu --save 'a b.pt'"
+    assert iu.rebuild_command("main_gqa.py", ["--preset=gptlite"], cpu) == "python main_gqa.py --preset=gptlite"
 
 
 @pytest.mark.parametrize("flags", [["--uptrain-steps", "0"], ["--batch-size", "0"], ["--n-tokens", "1"],
-                                   ["--prompt-len", "129"], ["--repeats", "0"], ["--lr", "0"], ["--save-groups", "3"],
+                                   ["--prompt-len", "129"], ["--prompt-len", "0"], ["--repeats", "0"], ["--lr", "0"],
+                                   ["--lr", "inf"], ["--lr", "nan"], ["--save-groups", "3"], ["--save-groups", "0"],
                                    ["--save", "/no/such/folder/g.pt"], ["--plot", "g.txt"], ["--bogus"]])
 def test_main_gqa_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))

@@ -10,7 +10,8 @@ import main_mla
 from conftest import TINY
 from gptlite_kvcache import StaticKVCache, generate_kvcache
 from gptlite_mla import GPTlite_MLA, convert_mha_to_mla, max_latent
-from test_gqa import greedy_without_cache, one_batch_validation, prefill_then_steps, random_tokens  # noqa: F401
+from test_gqa import (diverging_loss, greedy_without_cache, one_batch_validation, positive_or_none,  # noqa: F401
+                      prefill_then_steps, random_tokens)
 
 ATOL = 1e-5  # float32, the same weights computed two ways
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion (an SVD in float64, cast back) against MHA
@@ -139,16 +140,26 @@ def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, o
     assert list(rows) == ["MHA", "MLA-64 absorbed", "MLA-64 recomputed", "MLA-32 absorbed", "MLA-32 recomputed"]
     p = iu.PRESETS["cpu"]
     assert rows["MHA"]["cache_per_token"] == 2 * p.n_heads * p.d_head == 256
-    assert rows["MLA-64 absorbed"]["cache_per_token"] == 64 and rows["MLA-32 recomputed"]["kv_vs_mha"] == "0.125"
+    assert rows["MLA-64 absorbed"]["cache_per_token"] == 64 and rows["MLA-32 recomputed"]["kv_vs_mha"] == 0.125
     for r in rows.values():
-        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+        assert r["ttft_ms"] > 0 and positive_or_none(r["tpot_ms"]) and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
         assert r["val_loss"] > 0 and r["loss_converted"] > 0
+        assert r["loss_vs_mha"] == pytest.approx(r["val_loss"] - rows["MHA"]["val_loss"], abs=1e-4)
     assert [(g["variant"], g["cache_per_token"]) for g in result["gqa_points"]] == [("GQA-2", 128), ("MQA", 64)]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one_batch_validation, diverging_loss):
+    with pytest.raises(iu.GPTliteError):
+        main_mla.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+                       "--n-tokens", "2", "--repeats", "1", "--latents", "32", "--json", str(tmp_path / "mla.json"),
+                       "--plot", str(tmp_path / "mla.png")])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("flags", [["--latents", "0"], ["--latents", "129"], ["--latents", "8", "8"],
-                                   ["--uptrain-steps", "0"], ["--n-tokens", "1"], ["--plot", "m.txt"], ["--bogus"]])
+                                   ["--uptrain-steps", "0"], ["--n-tokens", "1"], ["--lr", "inf"], ["--lr", "-1"],
+                                   ["--prompt-len", "129"], ["--plot", "m.txt"], ["--bogus"]])
 def test_main_mla_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:

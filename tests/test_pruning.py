@@ -11,8 +11,10 @@ import main_pruning
 from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from main_pruning import compute_importance, logits_with_zeroed, model_config, prune, prune_linear, top_indices
+from inference_utils import kv_cache_model, model_config
+from main_pruning import compute_importance, logits_with_zeroed, prune, prune_linear, top_indices
 from test_distillation import quick_validation_loss
+from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
 
 D_FF = 4 * TINY["d_model"]
 
@@ -23,11 +25,40 @@ def fake_data(n_tokens=4000, seed=0):
 
 
 def importance_keeping(keep_heads, keep_neurons):
-    """Importance scores under which prune keeps exactly these heads and neurons of every layer."""
-    heads, neurons = torch.zeros(TINY["n_layers"], TINY["n_heads"]), torch.zeros(TINY["n_layers"], D_FF)
-    for layer, (kh, kn) in enumerate(zip(keep_heads, keep_neurons)):
-        heads[layer, kh], neurons[layer, kn] = 1.0, 1.0
+    """Importance scores (one tensor per block) under which prune keeps exactly these heads and neurons."""
+    heads, neurons = [torch.zeros(TINY["n_heads"]) for _ in keep_heads], [torch.zeros(D_FF) for _ in keep_neurons]
+    for h, n, kh, kn in zip(heads, neurons, keep_heads, keep_neurons):
+        h[kh], n[kn] = 1.0, 1.0
     return heads, neurons
+
+
+@torch.no_grad()
+def logits_with_hooks_zeroing(model, keep_heads, keep_neurons, x):
+    """An independent reference for logits_with_zeroed: forward hooks zero the outputs of the other heads (at
+    the input of out_proj) and the activations of the other neurons (at the ReLU); the weights are untouched."""
+    def zero_heads(keep, mha):
+        def hook(module, args):
+            mask = torch.zeros(mha.n_heads, 1)
+            mask[keep] = 1
+            return (args[0] * mask.repeat_interleave(mha.d_head, dim=0).flatten(),)  # [B, S, H*D]
+        return hook
+
+    def zero_neurons(keep):
+        def hook(module, args, out):
+            mask = torch.zeros(out.shape[-1])
+            mask[keep] = 1
+            return out * mask  # [B, S, d_ff]
+        return hook
+
+    handles = []
+    for block, kh, kn in zip(model.blocks, keep_heads, keep_neurons):
+        handles.append(block.mha.out_proj.register_forward_pre_hook(zero_heads(kh, block.mha)))
+        handles.append(block.ffwd.net[1].register_forward_hook(zero_neurons(kn)))
+    try:
+        return model.eval()(x)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def tokens(batch=3, length=TINY["seqlen"]):
@@ -50,18 +81,14 @@ def test_pruning_equals_the_original_with_those_heads_and_neurons_zeroed(tiny_mo
     keep_neurons = [torch.randperm(D_FF, generator=g)[:50].sort().values for _ in range(TINY["n_layers"])]
     pruned = prune(copy.deepcopy(base), *importance_keeping(keep_heads, keep_neurons), 2, 50)
     x = tokens()
+    before = copy.deepcopy(base.state_dict())
     with torch.no_grad():
-        expected = logits_with_zeroed(base, keep_heads, keep_neurons, x)
+        expected = logits_with_hooks_zeroing(base, keep_heads, keep_neurons, x)
         assert torch.allclose(pruned(x), expected, atol=1e-5, rtol=0)
         assert (pruned(x) - base(x)).abs().max() > 0.1  # pruning does change the model
-
-        # the hooks zero exactly those heads and neurons: the same as zeroing the weights that read them
-        zeroed = copy.deepcopy(base)
-        for block, kh, kn in zip(zeroed.blocks, keep_heads, keep_neurons):
-            head_of_column = torch.arange(TINY["n_heads"] * TINY["d_head"]) // TINY["d_head"]
-            block.mha.out_proj.weight[:, ~torch.isin(head_of_column, kh)] = 0
-            block.ffwd.net[2].weight[:, ~torch.isin(torch.arange(D_FF), kn)] = 0
-        assert torch.allclose(zeroed(x), expected, atol=1e-5, rtol=0)
+        # the script's check (zeroing the weights that read those heads and neurons, on a copy) is the same
+        assert torch.allclose(logits_with_zeroed(base, keep_heads, keep_neurons, x), expected, atol=1e-5, rtol=0)
+    assert all(torch.equal(before[k], v) for k, v in base.state_dict().items())  # the model itself is untouched
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())
 
 
@@ -82,8 +109,11 @@ def test_prune_keeps_the_most_important_and_really_shrinks_the_weights(tiny_mode
     per_block = 3 * (d * hd + hd) + (hd * d + d) + (d * n + n) + (n * d + d) + 2 * 2 * d
     expected = V * d + S * d + L * per_block + 2 * d + (d * V + V)
     assert sum(p.numel() for p in pruned.parameters()) == expected
-    assert model_config(pruned) == dict(TINY, n_heads=2, d_ff=40)
+    assert model_config(pruned) == dict(TINY, n_heads=2, d_ff=40) and model_config(base) == TINY
     assert sum(p.numel() for p in GPTlite(**model_config(pruned)).parameters()) == expected
+    # the stacked [n_layers, n_heads] / [n_layers, d_ff] scores prune the same
+    stacked = prune(copy.deepcopy(base), torch.stack(list(heads)), torch.stack(list(neurons)), 2, 40)
+    assert all(torch.equal(a, b) for a, b in zip(stacked.state_dict().values(), pruned.state_dict().values()))
 
 
 def test_prune_linear_keeps_rows_and_columns():
@@ -111,6 +141,8 @@ def test_pruned_model_saves_loads_runs_with_the_kv_cache_and_trains(tiny_models,
     x = tokens()
     with torch.no_grad():
         assert torch.equal(model(x), pruned(x))
+        assert torch.equal(kv_cache_model(pruned)(x)[0], pruned(x))  # the KV-cache twin, built from the modules
+    assert isinstance(kv_cache_model(pruned), GPTlite_KVCache) and not kv_cache_model(pruned).training
     prompt = tokens(2, 5)
     assert torch.equal(generate_kvcache(cached, prompt, 11, TINY["seqlen"]), generate(model, prompt, 11, TINY["seqlen"]))
     before = [p.detach().clone() for p in model.parameters()]
@@ -127,9 +159,21 @@ def test_importance_scores_and_hooks_are_removed(tiny_models):
         base.blocks[0].mha.value_proj.bias[rows] = 0
         base.blocks[1].ffwd.net[0].bias[7] = -1e4
     heads, neurons = compute_importance(base, fake_data(), n_batches=2, batch_size=4, seqlen=8)
-    assert heads.shape == (TINY["n_layers"], TINY["n_heads"]) and neurons.shape == (TINY["n_layers"], D_FF)
-    assert heads[0, 1] == 0 and neurons[1, 7] == 0
-    assert (heads[0, [0, 2]] > 0).all() and (heads[1] > 0).all() and (neurons[0] >= 0).all() and neurons.sum() > 0
+    assert isinstance(heads, list) and isinstance(neurons, list)  # one tensor per block, as the post's listing
+    assert [h.shape for h in heads] == [(TINY["n_heads"],)] * TINY["n_layers"]
+    assert [n.shape for n in neurons] == [(D_FF,)] * TINY["n_layers"]
+    assert heads[0][1] == 0 and neurons[1][7] == 0
+    assert (heads[0][[0, 2]] > 0).all() and (heads[1] > 0).all() and (neurons[0] >= 0).all() and neurons[1].sum() > 0
+    # head 0 of layer 0 by hand: the norm of its output at the input of out_proj, summed over every token
+    g = torch.Generator().manual_seed(0)
+    captured = []
+    handle = base.blocks[0].mha.out_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    with torch.no_grad():
+        for _ in range(2):
+            base(iu.get_batch(fake_data().train, 4, 8, g)[0])
+    handle.remove()
+    expected = sum(c[..., :TINY["d_head"]].norm(dim=-1).sum() for c in captured)
+    assert heads[0][0].item() == pytest.approx(expected.item(), rel=1e-5)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())
     # also when the forward pass fails part-way
     bad = iu.Data(vocab="", train=torch.full((100,), 999), val=torch.full((100,), 999))  # ids outside the vocabulary
@@ -141,11 +185,13 @@ def test_importance_scores_and_hooks_are_removed(tiny_models):
 @pytest.mark.parametrize("n_heads, n_neurons", [(0, 10), (TINY["n_heads"] + 1, 10), (1, 0), (1, D_FF + 1), (1.5, 10)])
 def test_keeping_more_than_exist_or_none_is_a_clear_error(tiny_models, n_heads, n_neurons):
     base, _ = tiny_models
-    heads, neurons = torch.rand(TINY["n_layers"], TINY["n_heads"]), torch.rand(TINY["n_layers"], D_FF)
+    heads, neurons = [torch.rand(TINY["n_heads"]) for _ in range(2)], [torch.rand(D_FF) for _ in range(2)]
     with pytest.raises(ValueError, match="must be an integer between 1 and"):
         prune(base, heads, neurons, n_heads, n_neurons)
     with pytest.raises(ValueError, match="do not fit"):
         prune(base, heads[:1], neurons, 1, 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        prune(base, heads, [n[:-1] for n in neurons], 1, 1)
     with pytest.raises(ValueError, match="seqlen"):
         compute_importance(base, fake_data(), 1, 1, TINY["seqlen"] + 1)
 
@@ -167,21 +213,67 @@ def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
     assert result["config"] == dict(p.model_config(), n_heads=p.n_heads // 2, d_ff=2 * p.d_model)
     small = sum(t.numel() for t in GPTlite(**result["config"]).parameters())
     assert rows["original"]["params"] == sum(t.numel() for t in GPTlite(**p.model_config()).parameters())
+    assert rows["random prune (mean of 2)"]["val_pruned"] == pytest.approx(sum(result["random_prune_losses"]) / 2)
     for name in ("one-shot + distill", "iterative + distill", "random init + distill"):
         assert rows[name]["params"] == small and rows[name]["kv_cache_mb"] == rows["original"]["kv_cache_mb"] / 2
-        assert rows[name]["val_pruned"] > 0 and rows[name]["val_loss"] > 0 and rows[name]["tpot_ms"] > 0
+        assert rows[name]["val_pruned"] > 0 and rows[name]["val_loss"] > 0 and positive_or_none(rows[name]["tpot_ms"])
     curve = result["curves"]["iterative"]
     assert [c[0] for c in curve] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5]  # 5 prune + distill steps of 1 step each
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ckpt = iu.load_checkpoint(out_ckpt, vocab=real_data.vocab)
     assert ckpt["config"] == result["config"] and ckpt["meta"]["variant"] == result["best"]
+    assert rebuild_of(ckpt).startswith("python main_pruning.py --untrained --preset cpu")
 
 
-@pytest.mark.parametrize("flags", [["--keep", "0"], ["--keep", "1"], ["--step", "0"], ["--step", "0.6"],
-                                   ["--iters", "4"], ["--temperature", "0"], ["--alpha", "2"], ["--calib-batches", "0"],
-                                   ["--random-draws", "0"], ["--batch-size", "0"], ["--n-tokens", "1"], ["--save", "/no/such/folder/p.pt"]])
+def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, monkeypatch, diverging_loss):
+    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)
+    with pytest.raises(iu.GPTliteError):
+        main_pruning.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "5", "--batch-size", "2",
+                           "--calib-batches", "1", "--random-draws", "1", "--prompt-len", "8", "--n-tokens", "2",
+                           "--repeats", "1", "--save", str(tmp_path / "p.pt"), "--json", str(tmp_path / "p.json"),
+                           "--plot", str(tmp_path / "p.png")])
+    assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
+
+
+def test_save_and_reload_replaces_nothing_when_the_reloaded_model_differs(tiny_models, tmp_path, monkeypatch):
+    base, _ = tiny_models
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the previous file")
+    load_checkpoint = iu.load_checkpoint
+
+    def corrupted(*args, **kwargs):  # a reload that loses a weight
+        ckpt = load_checkpoint(*args, **kwargs)
+        ckpt["state_dict"]["fc_out.bias"] += 1
+        return ckpt
+    monkeypatch.setattr(iu, "load_checkpoint", corrupted)
+    with pytest.raises(iu.GPTliteError, match="other logits"):
+        iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
+    assert path.read_bytes() == b"the previous file" and list(tmp_path.iterdir()) == [path]
+    monkeypatch.setattr(iu, "load_checkpoint", load_checkpoint)
+    iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
+    assert torch.equal(iu.load_checkpoint(path)["state_dict"]["fc_out.bias"], base.fc_out.bias)
+
+
+@pytest.mark.parametrize("flags", [["--keep", "0"], ["--keep", "1"], ["--keep", "nan"], ["--step", "0"], ["--step", "0.6"],
+                                   ["--iters", "4"], ["--temperature", "0"], ["--temperature", "inf"], ["--alpha", "2"],
+                                   ["--lr", "-1"], ["--lr", "0"], ["--lr", "inf"], ["--calib-batches", "0"],
+                                   ["--random-draws", "0"], ["--batch-size", "0"], ["--n-tokens", "1"],
+                                   ["--prompt-len", "129"], ["--save", "/no/such/folder/p.pt"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_pruning.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--keep", "0.9", "--step", "0.1"], ["--keep", "0.7", "--step", "0.3"],
+                                   ["--alpha", "0"], ["--alpha", "1"], ["--lr", "1e-3"]])
+def test_good_flags_at_the_edges_pass_the_checks(flags, monkeypatch):
+    class DataLoaded(Exception):
+        pass
+
+    def load_data(path=None):
+        raise DataLoaded
+    monkeypatch.setattr(iu, "load_data", load_data)
+    with pytest.raises(DataLoaded):  # the flags passed: the script went on to load the data
+        main_pruning.main(["--untrained", "--device", "cpu", "--preset", "cpu"] + flags)
