@@ -113,8 +113,7 @@ def load_gqa(path, device="cpu"):
     """The uptrained GPTlite_GQA that `python main_gqa.py --save PATH` saved (its config holds n_groups),
     in eval mode."""
     import inference_utils as iu
-    # MERGE: pass rebuild=f"python main_gqa.py --save {path}" once iu.load_checkpoint takes it
-    ckpt = iu.load_checkpoint(path)
+    ckpt = iu.load_checkpoint(path, rebuild=f"python main_gqa.py --save {path}")
     if "n_groups" not in ckpt["config"]:
         raise iu.CheckpointError(f"{path} is not a GQA checkpoint (no n_groups in its config); "
                                  f"make one with: python main_gqa.py --save {path}")

@@ -148,16 +148,6 @@ class GPTlite_KVCache(GPTlite):
                                       for _ in range(n_layers)])
         self.apply(self._init_weights)
 
-    @classmethod
-    def from_model(cls, model):
-        """The same config and weights as `model` (a GPTlite, trained or not), with a KV cache, in eval mode."""
-        mha, mlp = model.blocks[0].mha, model.blocks[0].ffwd.net[0]
-        cached = cls(vocab_size=model.token_embedding.num_embeddings, d_model=model.token_embedding.embedding_dim,
-                     n_heads=mha.n_heads, d_head=mha.d_head, n_layers=len(model.blocks), dropout_p=mha.dropout.p,
-                     seqlen=model.seqlen, d_ff=mlp.out_features)
-        cached.load_state_dict(model.state_dict())
-        return cached.to(model.fc_out.weight.device).eval()
-
     def check_cache(self, kv_cache, batch_size, max_seqlen):
         """A cache made for another batch, model or dtype is a clear error, not a shape mismatch deep in torch."""
         mha, dtype = self.blocks[0].mha, self.fc_out.weight.dtype

@@ -710,8 +710,7 @@ def save_and_reload(path, model, config, vocab, rebuild, **meta):
     x = torch.randint(config["vocab_size"], (2, config["seqlen"]), device=device)
     with atomic_file(path) as tmp:
         save_checkpoint(tmp, model, config, vocab, rebuild=rebuild, **meta)
-        # MERGE: pass rebuild=rebuild here too once load_checkpoint takes it
-        ckpt = load_checkpoint(tmp, vocab=vocab)
+        ckpt = load_checkpoint(tmp, vocab=vocab, rebuild=rebuild)
         reloaded = type(model)(**ckpt["config"]).to(device).eval()
         reloaded.load_state_dict(ckpt["state_dict"])
         with torch.no_grad():

@@ -29,7 +29,6 @@ from tqdm import tqdm
 import inference_utils as iu
 import serving
 from gptlite import GPTlite
-from gptlite_kvcache import GPTlite_KVCache
 from main_static_batching import next_tokens, static_batching
 from paged_engine import PagedEngine
 
@@ -200,7 +199,7 @@ def main(argv=None):
     seqlen = preset.seqlen
     requests, arrivals = serving.make_trace(data.val, args.n_requests, args.rate, seqlen, args.prompt_median,
                                             args.output_median, seed=args.seed, device=device)
-    reference = serving.reference_outputs(GPTlite_KVCache.from_model(base), requests, seqlen)  # correctness first
+    reference = serving.reference_outputs(iu.kv_cache_model(base), requests, seqlen)  # correctness first
     val_loss = iu.validation_loss(base, data)
 
     results = run_variants(base, requests, arrivals, args.batch_size, args, seqlen, device, memory=True)

@@ -20,7 +20,7 @@ import torch
 
 import inference_utils as iu
 from gptlite import GPTlite, generate
-from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
+from gptlite_kvcache import StaticKVCache, generate_kvcache
 
 
 def check_args(args, parser, seqlen):
@@ -116,7 +116,7 @@ def main(argv=None):
     preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
-    cached = GPTlite_KVCache.from_model(base)  # the same weights, trained or not
+    cached = iu.kv_cache_model(base)  # the same weights, trained or not
     seqlen = preset.seqlen
     val_losses = {"no cache": iu.validation_loss(base, data)}
     val_losses["dynamic KV cache"] = val_losses["static KV cache"] = iu.validation_loss(cached, data)

@@ -25,7 +25,6 @@ from tqdm import tqdm
 import inference_utils as iu
 import serving
 from gptlite import GPTlite
-from gptlite_kvcache import GPTlite_KVCache
 
 
 @torch.inference_mode()
@@ -92,7 +91,7 @@ def main(argv=None):
     seqlen = preset.seqlen
     requests, _ = serving.make_trace(data.val, args.n_requests, float("inf"), seqlen, args.prompt_median,
                                      args.output_median, seed=args.seed, device=device)
-    reference = serving.reference_outputs(GPTlite_KVCache.from_model(base), requests, seqlen)
+    reference = serving.reference_outputs(iu.kv_cache_model(base), requests, seqlen)
     val_loss = iu.validation_loss(base, data)
 
     static_batching(base, requests[:2], 2, seqlen)  # warm-up

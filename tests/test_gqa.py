@@ -39,12 +39,13 @@ def converted(base, config, n_groups):
 
 @torch.inference_mode()
 def greedy_without_cache(model, prompt, n_tokens):
-    """Greedy decoding that re-encodes the whole sequence at every step, for models returning (logits, cache)."""
+    """Greedy decoding that re-encodes the whole sequence at every step, for models returning (logits, cache).
+    Returns the prompt followed by the new tokens, as generate_kvcache does."""
     idx = prompt
     for _ in range(n_tokens):
         next_token = model(idx)[0][:, -1].argmax(dim=-1, keepdim=True)
         idx = torch.cat([idx, next_token], dim=1)
-    return idx[:, prompt.shape[1]:]
+    return idx
 
 
 @torch.inference_mode()
