@@ -111,7 +111,8 @@ def fake_repo(tmp_path, monkeypatch):
     (tmp_path / "bad.py").write_text(FAIL_SCRIPT)
     (tmp_path / "README.md").write_text(README)
     (tmp_path / "docs" / "page.md").write_text(DOCS)
-    runs = [Run("ok", "ok.py", "docs/page.md", "ok", "ok plot"), Run("bad", "bad.py", "docs/page.md", "bad", "bad plot")]
+    runs = [Run("ok", "ok.py", "docs/page.md", "ok", "ok plot"),
+            Run("bad", "bad.py", "docs/page.md", "bad", "bad plot")]
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
     monkeypatch.setattr(reproduce, "RUNS", runs)
     monkeypatch.setattr(reproduce, "HEADLINES", {
@@ -173,6 +174,9 @@ def test_out_renders_copies_and_leaves_the_pages_alone(fake_repo, tmp_path_facto
     assert (out / "ok.json").is_file()
 
 
-def test_only_names_an_unknown_script_is_an_error(fake_repo):
-    with pytest.raises(SystemExit):
+def test_an_unknown_name_after_only_is_an_error_before_any_run(fake_repo, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         reproduce.main(["--only", "main_nothing.py"])
+    assert exit_info.value.code == 2
+    assert "--only main_nothing.py: choose among bad, bad.py, ok, ok.py" in capsys.readouterr().err
+    assert not (fake_repo / "results").exists()
