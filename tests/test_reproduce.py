@@ -139,7 +139,7 @@ def test_a_failing_script_is_reported_and_leaves_its_block_while_the_others_are_
     assert "![ok plot](ok_cpu.png)" in page
     assert (fake_repo / "docs" / "ok_cpu.png").read_bytes() == b"png of ok"
     saved = json.loads((fake_repo / "results" / "ok.json").read_text())
-    assert saved["run"]["command"] == "python ok.py" and saved["rows"][0]["ms"] == 1.26
+    assert saved["reproduce"]["command"] == "python ok.py" and saved["rows"][0]["ms"] == 1.26
     assert (fake_repo / "README.md").read_text() == README  # the one-glance table needs every run's results
     assert "FAILED" in capsys.readouterr().out
 
