@@ -1,0 +1,182 @@
+"""reproduce.py's renderer on small fake results, and its runner on tiny stand-in scripts (seconds)."""
+import json
+
+import pytest
+
+import reproduce
+from reproduce import ReproduceError, Run
+
+COLUMNS = [["variant", "variant", "{}"], ["ttft_ms", "TTFT ms", "{:.2f}"], ["steps", "steps", "{}"],
+           ["ok", "ok", "{}"]]
+
+
+def test_markdown_table_from_columns_and_rows():
+    rows = [{"variant": "no cache", "ttft_ms": 4.526, "steps": 12, "ok": "yes", "ignored": 1.0},
+            {"variant": "a | b", "ttft_ms": None, "steps": None, "ok": "NO"}]
+    assert reproduce.markdown_table(COLUMNS, rows) == (
+        "| variant | TTFT ms | steps | ok |\n"
+        "| --- | ---: | ---: | --- |\n"
+        "| no cache | 4.53 | 12 | yes |\n"
+        "| a \\| b | - | - | NO |")
+
+
+def test_a_format_that_does_not_fit_is_a_clear_error():
+    with pytest.raises(ReproduceError, match="format '{:d}' does not fit 1.5"):
+        reproduce.markdown_table([["x", "x", "{:d}"]], [{"x": 1.5}])
+
+
+PAGE = """# Title
+
+Prose with 1.23 in it.
+<!-- reproduce:one:table -->
+old table
+<!-- /reproduce:one:table -->
+Prose between.
+<!-- reproduce:two:table -->
+other block
+<!-- /reproduce:two:table -->
+End.
+"""
+
+
+def test_replace_block_changes_only_the_text_between_its_markers():
+    new = reproduce.replace_block(PAGE, "one", "table", "| new |", "page.md")
+    assert new == PAGE.replace("old table", "\n| new |\n")
+    assert reproduce.replace_block(new, "one", "table", "| new |", "page.md") == new  # a rerun changes nothing
+
+
+@pytest.mark.parametrize("text", [PAGE.replace("<!-- reproduce:one:table -->\n", ""),
+                                  PAGE.replace("<!-- /reproduce:one:table -->\n", ""),
+                                  PAGE + "<!-- reproduce:one:table -->\n"])
+def test_a_missing_or_repeated_marker_is_a_clear_error(text):
+    with pytest.raises(ReproduceError, match="page.md needs exactly one block <!-- reproduce:one:table -->"):
+        reproduce.replace_block(text, "one", "table", "x", "page.md")
+
+
+def test_find_looks_rows_up_by_variant_name():
+    result = {"script": "s.py", "rows": [{"variant": "MHA", "b": 1}, {"variant": "MHA", "b": 2},
+                                         {"variant": "paged, chunked prefill 16"}, {"variant": "soft + hard"},
+                                         {"variant": "soft labels"}]}
+    assert reproduce.find(result, "MHA", b=2) == {"variant": "MHA", "b": 2}
+    assert reproduce.find(result, "paged, chunked prefill")["variant"] == "paged, chunked prefill 16"
+    with pytest.raises(ReproduceError, match=r"s.py: no single row 'GQA-2' among \['MHA'"):
+        reproduce.find(result, "GQA-2")
+    with pytest.raises(ReproduceError, match="no single row 'soft'"):  # two rows start with it
+        reproduce.find(result, "soft")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The runner, on stand-in scripts in a fake repository.
+
+OK_SCRIPT = """import json, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+open(args["--plot"], "wb").write(b"png of ok")
+json.dump({"script": "ok.py", "preset": "cpu", "device": "cpu", "untrained": False, "torch": "9.9",
+           "columns": [["variant", "variant", "{}"], ["ms", "TPOT ms", "{:.1f}"]],
+           "rows": [{"variant": "fast", "ms": 1.26}, {"variant": "slow", "ms": None}],
+           "summary": ["fast / slow: -"]}, open(args["--json"], "w"))
+"""
+FAIL_SCRIPT = """import sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+open(args["--plot"], "wb").write(b"png of a failed run")
+open(args["--json"], "w").write("{}")
+print("line 1 of stderr", file=sys.stderr)
+sys.exit("error: the checks failed; this is a bug")
+"""
+README = """# Fake
+<!-- reproduce:summary:table -->
+old summary
+<!-- /reproduce:summary:table -->
+"""
+DOCS = """## Ok
+<!-- reproduce:ok:table -->
+old ok table
+<!-- /reproduce:ok:table -->
+<!-- reproduce:ok:plot -->
+<!-- /reproduce:ok:plot -->
+## Failing
+<!-- reproduce:bad:table -->
+old bad table
+<!-- /reproduce:bad:table -->
+<!-- reproduce:bad:plot -->
+old bad plot
+<!-- /reproduce:bad:plot -->
+"""
+
+
+@pytest.fixture
+def fake_repo(tmp_path, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "ok.py").write_text(OK_SCRIPT)
+    (tmp_path / "bad.py").write_text(FAIL_SCRIPT)
+    (tmp_path / "README.md").write_text(README)
+    (tmp_path / "docs" / "page.md").write_text(DOCS)
+    runs = [Run("ok", "ok.py", "docs/page.md", "ok", "ok plot"),
+            Run("bad", "bad.py", "docs/page.md", "bad", "bad plot")]
+    monkeypatch.setattr(reproduce, "ROOT", tmp_path)
+    monkeypatch.setattr(reproduce, "RUNS", runs)
+    monkeypatch.setattr(reproduce, "HEADLINES", {
+        "ok": lambda r: ("ok technique", f"TPOT {reproduce.find(r, 'fast')['ms']} ms"),
+        "bad": lambda r: ("bad technique", "never shown")})
+    return tmp_path
+
+
+def test_a_failing_script_is_reported_and_leaves_its_block_while_the_others_are_rendered(fake_repo, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main([])
+    assert exit_info.value.code != 0
+    message = str(exit_info.value.code)
+    assert "bad.py failed with exit code 1" in message
+    assert "line 1 of stderr" in message and "error: the checks failed; this is a bug" in message
+    page = (fake_repo / "docs" / "page.md").read_text()
+    assert DOCS[DOCS.index("## Failing"):] in page  # the failed run's blocks, untouched
+    assert not (fake_repo / "docs" / "bad_cpu.png").exists()
+    assert not (fake_repo / "results" / "bad.json").exists()
+    ok_block = page[page.index("<!-- reproduce:ok:table -->"):page.index("<!-- /reproduce:ok:table -->")]
+    assert "| fast | 1.3 |" in ok_block and "| slow | - |" in ok_block and "- fast / slow: -" in ok_block
+    assert "From `python ok.py`, run by `python reproduce.py` on " in ok_block and "preset `cpu`" in ok_block
+    assert "old ok table" not in ok_block
+    assert "![ok plot](ok_cpu.png)" in page
+    assert (fake_repo / "docs" / "ok_cpu.png").read_bytes() == b"png of ok"
+    saved = json.loads((fake_repo / "results" / "ok.json").read_text())
+    assert saved["reproduce"]["command"] == "python ok.py" and saved["rows"][0]["ms"] == 1.26
+    assert (fake_repo / "README.md").read_text() == README  # the one-glance table needs every run's results
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_every_run_succeeds_then_the_one_glance_table_is_rendered(fake_repo):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    reproduce.main([])  # no SystemExit: exit code 0
+    readme = (fake_repo / "README.md").read_text()
+    assert "| ok technique | TPOT 1.26 ms |" in readme and "[page](docs/page.md)" in readme
+    assert "old summary" not in readme and readme.startswith("# Fake\n<!-- reproduce:summary:table -->\n")
+    (fake_repo / "results" / "ok.json").write_text(
+        (fake_repo / "results" / "ok.json").read_text().replace("1.26", "7.77"))
+    reproduce.main(["--skip-run", "--only", "ok.py"])  # re-render from the saved JSON, run nothing
+    page = (fake_repo / "docs" / "page.md").read_text()
+    assert "| fast | 7.8 |" in page and "TPOT 7.77 ms" in (fake_repo / "README.md").read_text()
+
+
+def test_a_missing_marker_stops_before_any_script_runs(fake_repo):
+    (fake_repo / "docs" / "page.md").write_text(DOCS.replace("<!-- reproduce:ok:plot -->\n", ""))
+    with pytest.raises(ReproduceError, match="page.md needs exactly one block <!-- reproduce:ok:plot -->"):
+        reproduce.main([])
+    assert not (fake_repo / "results").exists()
+
+
+def test_out_renders_copies_and_leaves_the_pages_alone(fake_repo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    reproduce.main(["--only", "ok", "--out", str(out)])
+    assert (fake_repo / "docs" / "page.md").read_text() == DOCS
+    assert not (fake_repo / "docs" / "ok_cpu.png").exists()
+    assert "| fast | 1.3 |" in (out / "pages" / "docs" / "page.md").read_text()
+    assert (out / "pages" / "docs" / "ok_cpu.png").read_bytes() == b"png of ok"
+    assert (out / "ok.json").is_file()
+
+
+def test_an_unknown_name_after_only_is_an_error_before_any_run(fake_repo, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["--only", "main_nothing.py"])
+    assert exit_info.value.code == 2
+    assert "--only main_nothing.py: choose among bad, bad.py, ok, ok.py" in capsys.readouterr().err
+    assert not (fake_repo / "results").exists()
