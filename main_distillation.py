@@ -160,10 +160,11 @@ def main(argv=None):
     print(f"\n{iters} steps per student, batch {batch_size}; generation: batch 1, {args.prompt_len}-token prompts, "
           f"{args.n_tokens} new tokens with the KV cache, median of {args.repeats}; speedup = teacher TPOT / TPOT")
     iu.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
     hard, soft = val_losses["hard labels"], min(val_losses[n] for n in students if n != "hard labels")
-    print(f"best distilled student against the hard-label student: {soft:.4f} vs {hard:.4f} "
-          f"({'distillation wins' if soft < hard else 'distillation does NOT win'}); best: {best}")
+    summary = [iu.peak_memory_label(device),
+               f"best distilled student against the hard-label student: {soft:.4f} vs {hard:.4f} "
+               f"({'distillation wins' if soft < hard else 'distillation does NOT win'}); best: {best}"]
+    print("\n".join(summary))
     if failures:
         raise iu.GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
                               "this is a bug (nothing written)")
@@ -178,7 +179,7 @@ def main(argv=None):
     if args.json:
         iu.save_json(args.json, "main_distillation.py", preset, device, rows, untrained=args.untrained,
                      student_config=config, iters=iters, batch_size=batch_size, temperature=args.temperature,
-                     alpha=args.alpha, histories=histories, best=best, saved=args.save)
+                     alpha=args.alpha, histories=histories, best=best, saved=args.save, summary=summary)
 
 
 if __name__ == "__main__":

@@ -125,9 +125,12 @@ def main(argv=None):
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; KV cache at a full window of {preset.seqlen} tokens")
     iu.print_table(rows, untrained=args.untrained)
-    print("val loss: after uptraining; loss_converted: right after conversion. " + iu.peak_memory_label(device))
-    print(f"MHA conversion (n_groups = n_heads) equals the multi-head model: "
-          f"{'yes, logits and tokens' if checks['MHA conversion exact'] else 'NO'}")
+    summary = ["val loss: after uptraining; loss_converted: right after conversion. " + iu.peak_memory_label(device),
+               f"MHA conversion (n_groups = n_heads) equals the multi-head model: "
+               f"{'yes, logits and tokens' if checks['MHA conversion exact'] else 'NO'}",
+               "cached decoding equals the full forward pass for " + ", ".join(
+                   f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items() if name != "MHA conversion exact")]
+    print("\n".join(summary))
     failures = [name for name, ok in checks.items() if not ok]
     if failures:
         raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug (nothing written)")
@@ -142,7 +145,7 @@ def main(argv=None):
         plot_results(rows, args.plot, preset, device)
     if args.json:
         iu.save_json(args.json, "main_gqa.py", preset, device, rows, untrained=args.untrained,
-                     uptrain_steps=steps, lr=lr, checks=checks, saved=args.save)
+                     uptrain_steps=steps, lr=lr, checks=checks, saved=args.save, summary=summary)
 
 
 if __name__ == "__main__":

@@ -172,10 +172,10 @@ def main(argv=None):
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; cache at a full window of {preset.seqlen} tokens; full rank = {full}")
     iu.print_table(rows, untrained=args.untrained)
-    print("val loss: after uptraining; loss_converted: right after conversion; cache_per_token: float values per "
-          "token and layer. " + iu.peak_memory_label(device))
-    for name, ok in checks.items():
-        print(f"check {name}: {'yes' if ok else 'NO'}")
+    summary = ["val loss: after uptraining; loss_converted: right after conversion; cache_per_token: float values "
+               "per token and layer. " + iu.peak_memory_label(device)]
+    summary += [f"check {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
+    print("\n".join(summary))
     failures = [name for name, ok in checks.items() if not ok]
     if failures:
         raise iu.GPTliteError(f"checks failed: {'; '.join(failures)}; this is a bug (nothing written)")
@@ -185,7 +185,7 @@ def main(argv=None):
         plot_loss_against_cache(rows, gqa, args.plot, preset, device)
     if args.json:
         iu.save_json(args.json, "main_mla.py", preset, device, rows, untrained=args.untrained, uptrain_steps=steps,
-                     lr=lr, full_rank=full, checks=checks, gqa_points=gqa)
+                     lr=lr, full_rank=full, checks=checks, gqa_points=gqa, summary=summary)
 
 
 if __name__ == "__main__":

@@ -302,11 +302,13 @@ def main(argv=None):
     print("val_pruned: right after pruning (iterative: after its last step; random init: before training); "
           "val loss: after distillation")
     iu.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
-    print(f"pruned logits vs original with those heads and neurons zeroed: max |diff| {error:.1e}")
-    print(f"right after pruning: by importance {pruned_loss['one-shot']:.4f}, random {min(random_losses):.4f} .. "
-          f"{max(random_losses):.4f}; after distillation: best pruned ({best}) {val_losses[best]:.4f} vs random "
-          f"init {val_losses['random init']:.4f} ({'pruning wins' if val_losses[best] < val_losses['random init'] else 'pruning does NOT win'})")
+    wins = val_losses[best] < val_losses["random init"]
+    summary = [iu.peak_memory_label(device),
+               f"pruned logits vs original with those heads and neurons zeroed: max |diff| {error:.1e}",
+               f"right after pruning: by importance {pruned_loss['one-shot']:.4f}, random {min(random_losses):.4f} .. "
+               f"{max(random_losses):.4f}; after distillation: best pruned ({best}) {val_losses[best]:.4f} vs random "
+               f"init {val_losses['random init']:.4f} ({'pruning wins' if wins else 'pruning does NOT win'})"]
+    print("\n".join(summary))
     if failures:
         raise iu.GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
                               "this is a bug (nothing written)")
@@ -321,7 +323,8 @@ def main(argv=None):
     if args.json:
         iu.save_json(args.json, "main_pruning.py", preset, device, rows, untrained=args.untrained, config=config,
                      iters=iters, lr=lr, temperature=args.temperature, alpha=args.alpha, curves=curves,
-                     random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best, saved=args.save)
+                     random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best, saved=args.save,
+                     summary=summary)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,7 @@ def main(argv=None):
     prompt = prompt_ids(PROBES["semantic cache hit"], data, preset.seqlen, device)  # [1, S]
     model_fn = lambda n: generate_kvcache(model, prompt, n, preset.seqlen)  # noqa: E731
     timing = iu.measure_generation(model_fn, args.n_tokens, 1, device, repeats=args.repeats)
-    index_mb = stats["entries"] * embed.dim * 4 / 2**20  # a flat index is its vectors
+    index_mb = round(stats["entries"] * embed.dim * 4 / 2**20, 3)  # a flat index is its vectors
     rows = [iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
                         peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device),
                         lookup_ms=None, index_mb=None, served=None)]
@@ -196,39 +196,41 @@ def main(argv=None):
         total = ttft + (timing["tpot_ms"] * (args.n_tokens - 1) if miss else 0)
         rows.append(iu.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
                                 tokens_per_s=args.n_tokens / total * 1e3, peak_mem_mb=iu.peak_memory_mb(lookup, device),
-                                val_loss=val_loss, lookup_ms=ms, index_mb=index_mb,
+                                val_loss=val_loss, lookup_ms=round(ms, 2), index_mb=index_mb,
                                 served="yes" if cache.lookup(probe)[2] else "no"))
-    # the extra columns as text, one precision per column (format_table prints extras as they are)
-    shown = [dict(r, lookup_ms=None if r["lookup_ms"] is None else f"{r['lookup_ms']:.2f}",
-                  index_mb=None if r["index_mb"] is None else f"{r['index_mb']:.3f}") for r in rows]
 
     print(f"\n{len(pairs)} labelled pairs ({labels.sum()} paraphrases, {(~labels).sum()} near-misses) from {args.pairs}; "
           f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s)")
     print(format_sweep(table_sweep))
     print("a pair hits when the cosine similarity of its two queries is at least the threshold; precision = right "
           "hits / hits, recall = right hits / paraphrase pairs, hit rate = hits / pairs")
+    summary = []
     if best is not None:
         plateau = [p["threshold"] for p in fine if (p["precision"], p["recall"]) == (best["precision"], best["recall"])]
-        print(f"highest recall with precision >= 0.9 on these pairs: thresholds {plateau[0]:.2f} to {plateau[-1]:.2f} "
-              f"(precision {best['precision']:.3f}, recall {best['recall']:.3f}); --threshold is {args.threshold}")
+        summary.append(f"highest recall with precision >= 0.9 on these pairs: thresholds {plateau[0]:.2f} to "
+                       f"{plateau[-1]:.2f} (precision {best['precision']:.3f}, recall {best['recall']:.3f}); "
+                       f"--threshold is {args.threshold}")
     else:
-        print("no threshold reaches precision 0.9 on these pairs")
+        summary.append("no threshold reaches precision 0.9 on these pairs")
     wrong = sorted(((s, a, b) for (same, a, b), s in zip(pairs, similarities) if not same and s >= args.threshold),
                    reverse=True)
-    for s, a, b in wrong:
-        print(f"  near-miss served at {s:.3f}: {a!r} / {b!r}")
+    summary += [f"near-miss served at {s:.3f}: {a!r} / {b!r}" for s, a, b in wrong]
+    print("\n".join(summary))
 
     print(f"\nthe cache at threshold {args.threshold}: answers of {args.n_tokens} characters, "
           f"median of {args.repeats} runs")
-    iu.print_table(shown, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
-    print("TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the whole "
-          "answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, one request")
-    print(f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
-          f"({len({p[1] for p in pairs})} distinct), then each second query: "
-          f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
-          f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} lookups "
-          f"(exact {stats['exact_hits']}, semantic {stats['semantic_hits']})")
+    iu.print_table(rows, untrained=args.untrained)
+    cache_lines = [iu.peak_memory_label(device),
+                   "TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the "
+                   "whole answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, "
+                   "one request",
+                   f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
+                   f"({len({p[1] for p in pairs})} distinct), then each second query: "
+                   f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
+                   f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} "
+                   f"lookups (exact {stats['exact_hits']}, semantic {stats['semantic_hits']})"]
+    print("\n".join(cache_lines))
+    summary = cache_lines + summary
 
     if args.plot:
         fig, ax = iu.new_figure()
@@ -244,7 +246,7 @@ def main(argv=None):
         iu.save_json(args.json, "main_semantic_cache.py", preset, device, rows, untrained=args.untrained,
                      encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs),
                      threshold_table=table_sweep, sweep=fine, best_threshold=best, stream=counts, cache_stats=stats,
-                     similarities=[round(float(s), 4) for s in similarities])
+                     similarities=[round(float(s), 4) for s in similarities], summary=summary)
 
 
 if __name__ == "__main__":

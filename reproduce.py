@@ -252,13 +252,21 @@ def gqa_points_table(result):
             if points else "")
 
 
-EXTRA_TABLES = {"main_flash_attention": long_context_table, "main_mla": gqa_points_table}
+def threshold_table(result):
+    """main_semantic_cache's threshold sweep on the labelled pairs."""
+    columns = [("threshold", "threshold", "{:.2f}"), ("precision", "precision", "{:.3f}"),
+               ("recall", "recall", "{:.3f}"), ("hit_rate", "hit rate", "{:.3f}")]
+    points = result.get("threshold_table") or []
+    return "The threshold sweep on the labelled pairs:\n\n" + markdown_table(columns, points) if points else ""
+
+
+EXTRA_TABLES = {"main_flash_attention": long_context_table, "main_mla": gqa_points_table,
+                "main_semantic_cache": threshold_table}
 
 
 def table_block(run, result):
     parts = [caption(result), markdown_table(result["columns"], result["rows"])]
-    lines = list(result.get("summary") or [])
-    lines += [f"check {name}: {'yes' if ok else 'NO'}" for name, ok in (result.get("checks") or {}).items()]
+    lines = list(result.get("summary") or [])  # the script's printed lines under its table (checks included)
     if lines:
         parts.append("\n".join(f"- {line}" for line in lines))
     if run.name in EXTRA_TABLES:
