@@ -331,10 +331,13 @@ def prefix_headline(r):
 
 
 def semantic_headline(r):
-    pairs = find(r, f"pairs, threshold {r['threshold']:.2f}")
+    pairs = [p for p in r["threshold_table"] if p["threshold"] == r["threshold"]]
+    if len(pairs) != 1:
+        raise ReproduceError(f"{r['script']}: no single threshold {r['threshold']} in its threshold_table; update its "
+                             "headline in reproduce.py")
     hit, model = find(r, "semantic cache hit"), find(r, "GPTlite call (no cache)")
     return (f"semantic caching, threshold {r['threshold']}",
-            f"precision {pairs['precision']}, recall {pairs['recall']} on {r['n_pairs']} labelled pairs; a semantic "
+            f"precision {pairs[0]['precision']:.3f}, recall {pairs[0]['recall']:.3f} on {r['n_pairs']} labelled pairs; a semantic "
             f"hit (lookup {num(hit['ttft_ms'], '{:.1f}')} ms) delivers a whole answer "
             f"{x(hit['tokens_per_s'], model['tokens_per_s'])} as fast as GPTlite writes it")
 
@@ -351,7 +354,7 @@ def continuous_headline(r):
             f"batch {r['batch_size']}",
             f"throughput {x(cont['tokens_per_s'], static['tokens_per_s'], '{:.2f}x')} ({cont['steps']} steps "
             f"against {static['steps']}); the paged cache fills {num(paged['kv_util'], '{:.0%}')} of its reserved "
-            f"slots, a contiguous max-length reservation {num(paged['kv_util_contig'], '{:.0%}')}")
+            f"slots, a contiguous max-length reservation {num(paged['kv_contig'], '{:.0%}')}")
 
 
 def long_prompts_headline(r):
@@ -359,8 +362,8 @@ def long_prompts_headline(r):
     median = statistics.median(r["trace"]["prompt_lens"])
     return (f"chunked prefill, trace with long prompts (median {median:.0f} tokens)",
             f"p99 TPOT {num(chunked['tpot_p99_ms'], '{:.1f}')} ms chunked against "
-            f"{num(whole['tpot_p99_ms'], '{:.1f}')} ms whole-prompt; p50 TTFT {num(chunked['ttft_ms'], '{:.0f}')} "
-            f"against {num(whole['ttft_ms'], '{:.0f}')} ms")
+            f"{num(whole['tpot_p99_ms'], '{:.1f}')} ms whole-prompt; p50 TTFT {num(chunked['ttft_arrival_ms'], '{:.0f}')} "
+            f"against {num(whole['ttft_arrival_ms'], '{:.0f}')} ms")
 
 
 def flash_headline(r):
@@ -378,7 +381,7 @@ def gqa_headline(r):
     listed = lambda key, rows, fmt="{}": ", ".join(f"{row['variant']} {num(row[key], fmt)}" for row in rows)  # noqa
     return (f"GQA and MQA, converted from MHA, {r['uptrain_steps']} uptraining steps",
             f"KV cache / MHA's: {listed('kv_vs_mha', others)}; TPOT at batch {mha['batch_size']}: "
-            f"{listed('tpot_ms', [mha] + others, '{:.1f}')} ms; loss against MHA: {listed('loss_vs_mha', others)}")
+            f"{listed('tpot_ms', [mha] + others, '{:.1f}')} ms; loss against MHA: {listed('loss_vs_mha', others, '{:+.4f}')}")
 
 
 def mla_headline(r):
@@ -387,12 +390,12 @@ def mla_headline(r):
     absorbed = {d: find(r, f"MLA-{d} absorbed") for d in latents}
     speed = [iu.ratio(find(r, f"MLA-{d} recomputed")["tpot_ms"], absorbed[d]["tpot_ms"]) for d in latents]
     speed = [s for s in speed if s is not None]
-    figures = [f"MLA-{d} {absorbed[d]['loss_vs_mha']} (cache {absorbed[d]['kv_vs_mha']})" for d in latents]
+    figures = [f"MLA-{d} {absorbed[d]['loss_vs_mha']:+.4f} (cache {absorbed[d]['kv_vs_mha']})" for d in latents]
     figures += [f"{p['variant']} {p['val_loss'] - mha['val_loss']:+.4f} ({p['cache_per_token']} values)"
                 for p in r.get("gqa_points") or []]
     return (f"MLA, converted by SVD, {r['uptrain_steps']} uptraining steps",
             "loss against MHA: " + ", ".join(figures)
-            + (f"; absorbed TPOT {min(speed):.1f}x to {max(speed):.1f}x below recomputed" if speed else ""))
+            + (f"; TPOT recomputed / absorbed: {min(speed):.1f}x to {max(speed):.1f}x" if speed else ""))
 
 
 def distillation_headline(r):
