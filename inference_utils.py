@@ -777,9 +777,10 @@ def add_common_args(parser):
 
 
 def setup(args, parser, check_args=None):
-    """Check the common flags, choose device and preset (and say which), run the script's own
-    `check_args(preset)`, then load the data: every flag error comes before any work."""
-    for flag in ("json", "plot"):
+    """Check the common flags (and the output paths and prompt length of the scripts that have them),
+    choose device and preset (and say which), run the script's own `check_args(preset)`, then load the
+    data: every flag error comes before any work."""
+    for flag in ("json", "plot", "save"):
         out = getattr(args, flag, None)
         if out is not None:
             if Path(out).is_dir() or not Path(out).resolve().parent.is_dir():
@@ -791,6 +792,8 @@ def setup(args, parser, check_args=None):
     except GPTliteError as e:
         parser.error(str(e))
     preset = get_preset(args.preset or ("gptlite" if device.type == "cuda" else "cpu"))
+    if getattr(args, "prompt_len", None) is not None and args.prompt_len > preset.seqlen:
+        parser.error(f"--prompt-len must be at most the model's seqlen={preset.seqlen}, got {args.prompt_len}")
     if check_args is not None:
         check_args(preset)
     print(f"preset: {preset.name} ({'from --preset' if args.preset else 'default for ' + device.type}), "

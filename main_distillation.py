@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import functools
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -124,12 +123,7 @@ def parse_args(argv):
     add("--repeats", type=iu.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
     args = parser.parse_args(argv)
 
-    def check_args(preset):
-        if args.prompt_len > preset.seqlen:
-            parser.error(f"--prompt-len must be at most the model's seqlen={preset.seqlen}, got {args.prompt_len}")
-        if args.save is not None and (Path(args.save).is_dir() or not Path(args.save).resolve().parent.is_dir()):
-            parser.error(f"--save {args.save}: give a file path in a folder that exists")
-    return args, parser, check_args
+    return args, parser, None  # no check needs the preset beyond iu.setup's
 
 
 def main(argv=None):

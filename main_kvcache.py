@@ -24,8 +24,6 @@ from gptlite_kvcache import StaticKVCache, generate_kvcache
 
 
 def check_args(args, parser, seqlen):
-    if args.prompt_len > seqlen:
-        parser.error(f"--prompt-len must be at most the model's seqlen={seqlen}, got {args.prompt_len}")
     if len(set(args.batch_sizes)) != len(args.batch_sizes):
         parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
 

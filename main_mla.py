@@ -144,8 +144,6 @@ def parse_args(argv):
     args = parser.parse_args(argv)
 
     def check_args(preset):
-        if args.prompt_len > preset.seqlen:
-            parser.error(f"--prompt-len must be at most the model's seqlen={preset.seqlen}, got {args.prompt_len}")
         full = max_latent(preset.n_heads, preset.d_head, preset.d_model)
         if args.latents is not None and max(args.latents) > full:
             parser.error(f"--latents must lie between 1 and the full rank min(2 * n_heads * d_head, d_model) = {full}")
