@@ -16,7 +16,7 @@ the draft model of speculative decoding; checkpoints/distilled.pt is another mod
 preset that gptlite.py trains on hard labels alone.
 
 The student of `gptlite` is the `distilled` preset (half the width, half the layers, 4 heads instead of
-6). Other presets get a student by the same rule (see student_preset), e.g. cpu: 0.82M -> 0.13M parameters.
+6). Other presets get a student by the same rule (see student_preset), e.g. cpu: 0.83M -> 0.13M parameters.
 """
 import argparse
 import dataclasses

@@ -48,14 +48,9 @@ PROBES = {"exact-match hit": "How do I delete a file?",  # in the shipped pairs:
 
 
 def check_args(args, parser):
-    """Every flag, then the pairs file (returned): a bad one is an error before any work."""
-    if not -1 <= args.threshold <= 1:
-        parser.error(f"--threshold must be a cosine similarity in [-1, 1], got {args.threshold}")
+    """The pairs file (returned), after the flags argparse checked: a bad one is an error before any work."""
     if not Path(args.pairs).is_file():
         parser.error(f"--pairs {args.pairs}: no such file (give a TSV with columns label, query_a, query_b)")
-    for flag, value, low in [("--n-tokens", args.n_tokens, 2), ("--repeats", args.repeats, 1)]:
-        if value < low:
-            parser.error(f"{flag} must be at least {low}, got {value}")
     return load_pairs(args.pairs)
 
 
@@ -146,14 +141,15 @@ def format_sweep(points):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
-    parser.add_argument("--threshold", type=float, default=sc.DEFAULT_THRESHOLD,
+    parser.add_argument("--threshold", type=iu.float_in(-1, 1), default=sc.DEFAULT_THRESHOLD,
                         help=f"least cosine similarity served from the cache (default {sc.DEFAULT_THRESHOLD}, "
                              "chosen from the sweep: see the README)")
     parser.add_argument("--pairs", default=str(PAIRS),
                         help="labelled query pairs, UTF-8 TSV: label, query_a, query_b")
     parser.add_argument("--encoder", default=sc.DEFAULT_ENCODER, help="sentence-transformers model name")
-    parser.add_argument("--n-tokens", type=int, default=64, help="characters GPTlite generates per answer")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure, median taken (after one warm-up)")
+    parser.add_argument("--n-tokens", type=iu.int_at_least(2), default=64, help="characters GPTlite generates per answer")
+    parser.add_argument("--repeats", type=iu.int_at_least(1), default=5,
+                        help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
     pairs = []  # read while the flags are checked: a bad file is an error before any work
     preset, device, data = iu.setup(args, parser, lambda preset: pairs.extend(check_args(args, parser)))
