@@ -7,6 +7,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import inference_utils  # noqa: E402
 from gptlite import GPTlite  # noqa: E402
 from gptlite_kvcache import GPTlite_KVCache  # noqa: E402
 
@@ -37,3 +38,18 @@ def real_data():
         pytest.skip("GPTLITE_DATA does not point at tinyshakespeare.txt (CI sets it; tests never download)")
     import inference_utils as iu
     return iu.load_data(path)
+
+
+@pytest.fixture
+def unmeasurable_tpot(monkeypatch):
+    """compare_generation as it is, but `variant`'s TPOT None, as timing noise makes it with few tokens
+    and one repeat: the scripts' handling of None is then exercised on every run, not by chance."""
+    def patch(variant):
+        compare_generation = inference_utils.compare_generation
+
+        def noisy(variants, *args, **kwargs):
+            results = compare_generation(variants, *args, **kwargs)
+            results[variant]["tpot_ms"] = None
+            return results
+        monkeypatch.setattr(inference_utils, "compare_generation", noisy)
+    return patch

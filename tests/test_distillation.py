@@ -11,7 +11,7 @@ from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from main_distillation import distillation_loss, distillation_loss_fn, student_preset
-from test_gqa import diverging_loss, positive_or_none, rebuild_of, unmeasurable_tpot  # noqa: F401
+from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
 
 
 def logits_pair(seed=0, shape=(2, 5, 65)):

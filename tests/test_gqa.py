@@ -175,21 +175,6 @@ def one_batch_validation(monkeypatch):
 
 
 @pytest.fixture
-def unmeasurable_tpot(monkeypatch):
-    """compare_generation as it is, but `variant`'s TPOT None, as timing noise makes it with few tokens
-    and one repeat: the scripts' handling of None is then exercised on every run, not by chance."""
-    def patch(variant):
-        compare_generation = iu.compare_generation
-
-        def noisy(variants, *args, **kwargs):
-            results = compare_generation(variants, *args, **kwargs)
-            results[variant]["tpot_ms"] = None
-            return results
-        monkeypatch.setattr(iu, "compare_generation", noisy)
-    return patch
-
-
-@pytest.fixture
 def diverging_loss(monkeypatch):
     """Every train_steps call trains on a NaN loss, as a run whose loss diverges."""
     train_steps = iu.train_steps
