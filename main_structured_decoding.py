@@ -1,0 +1,275 @@
+"""Structured decoding: greedy decoding under a grammar (XGrammar), with and without jump-forward.
+
+    python main_structured_decoding.py                        # cpu preset on CPU, gptlite on CUDA
+    python main_structured_decoding.py --speakers PETRUCHIO KATHARINA --json sd.json --plot sd.png
+    python main_structured_decoding.py --untrained --n-outputs 2 --repeats 1   # a quick smoke run
+
+Blog section: "Structured decoding". At every step the grammar engine (XGrammar, given GPTlite's 65
+characters as its token list) says which characters may come next; the others' logits become -inf
+before the argmax. Jump-forward (SGLang): when the grammar leaves exactly one way on, append that whole
+string without asking the model, then feed it in one forward pass. With one token per character, the
+forced characters are exactly those masked decoding picks, so both give the same text (checked).
+
+Three grammars in the corpus's vocabulary (structured_decoding.py): a play turn and a stage direction
+(EBNF), a one-line reply (regex). Per grammar, three variants on the same validation prompts:
+unconstrained (stopped where the grammar's text would end), constrained, constrained + jump-forward.
+Columns: outputs the grammar accepts (the engine; Python's re too for the regex), model calls per
+output character, time per character, mask time per step against forward time per call, and the
+validation loss of the corpus's own turns that fit the grammar, with and without the mask.
+"""
+import argparse
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import inference_utils as iu
+import structured_decoding as sd
+from gptlite import GPTlite
+from gptlite_kvcache import generate_kvcache
+
+
+@dataclass
+class Decoded:
+    tokens: list       # the new character ids
+    calls: int         # model forward passes (the prefill included)
+    mask_s: list       # seconds of each grammar mask (fill the bitmask, apply it)
+    forward_s: list    # seconds of each forward pass after the prefill
+
+
+@torch.inference_mode()
+def constrained_generate(model, prompt, grammar, max_chars, seqlen, jump_forward=False, stop=None):
+    """Greedy decoding of one prompt [1, S] with a cached model, under `grammar` (a CharGrammar; None:
+    unconstrained, ended when `stop(tokens)` is true). Ends when the grammar is complete or after
+    max_chars characters. Returns a Decoded: the new tokens, the model calls, the step times."""
+    device = prompt.device
+    matcher = grammar.matcher() if grammar else None
+    bitmask = grammar.new_bitmask() if grammar else None
+    logits, kv_cache = model(prompt, max_seqlen=seqlen)  # prefill
+    logits = logits[:, -1].float()  # [1, vocab]
+    out = Decoded([], 1, [], [])
+    while len(out.tokens) < max_chars:
+        forced = matcher.find_jump_forward_string() if jump_forward else ""
+        if forced:  # the only way on: appended without asking the model
+            ids = grammar.encode(forced)
+            matcher.accept_string(forced)
+        else:
+            if grammar:
+                t0 = time.perf_counter()
+                grammar.mask_logits(matcher, logits, bitmask)  # forbidden characters -> -inf
+                out.mask_s.append(time.perf_counter() - t0)
+            ids = [logits.argmax(dim=-1).item()]
+            if grammar and not matcher.accept_token(ids[0]):
+                raise iu.GPTliteError("the grammar allows no character here; check it (a dead end)")
+        out.tokens += ids
+        if (matcher.is_terminated() if grammar else stop(out.tokens)):
+            break
+        t0 = time.perf_counter()
+        logits, kv_cache = model(torch.tensor([ids], device=device), kv_cache, max_seqlen=seqlen)  # [1, T, vocab]
+        logits = logits[:, -1].float()
+        iu.synchronize(device)
+        out.forward_s.append(time.perf_counter() - t0)
+        out.calls += 1
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The experiment: three grammars, three variants, the same prompts.
+
+VARIANTS = ("unconstrained", "constrained", "constrained + jump-forward")
+
+
+@dataclass
+class Task:
+    name: str
+    grammar: sd.CharGrammar
+    end: str        # regex: where the unconstrained text stops (where the grammar's text would end)
+    examples: list  # (offset, text) of the validation text that the grammar accepts, for the loss
+
+
+def make_tasks(speakers, data, seqlen, max_lines, max_line_chars):
+    val_text = data.decode(data.val.tolist())
+    turns = sd.corpus_turns(val_text)
+    # a full window of validation text ends with the text: 32 characters of context at least
+    fits = lambda g, i, text: i >= seqlen and len(text) <= seqlen - 32 and g.accepts(text)
+    turn = sd.CharGrammar(sd.turn_grammar(speakers, max_lines, max_line_chars), data.vocab)
+    direction = sd.CharGrammar(sd.stage_direction_grammar(speakers), data.vocab)
+    reply = sd.CharGrammar(sd.reply_regex(speakers, max_line_chars), data.vocab, kind="regex")
+    return [Task("play turn (EBNF)", turn, r"\n\n", [(i, t) for i, t in turns if fits(turn, i, t)]),
+            Task("stage direction (EBNF)", direction, r"\n", []),  # the corpus has none
+            Task("one-line reply (regex)", reply, r"\n.*\n", [(i, t[:-1]) for i, t in turns if fits(reply, i, t[:-1])])]
+
+
+def turn_prompts(data, n_prompts, prompt_len, seed, device):
+    """The validation text just before n_prompts turns, chosen at random: [n_prompts, prompt_len]."""
+    starts = [i for i, _ in sd.corpus_turns(data.decode(data.val.tolist())) if i >= prompt_len]
+    pick = torch.randperm(len(starts), generator=torch.Generator().manual_seed(seed))[:n_prompts]
+    return torch.stack([data.val[starts[i] - prompt_len:starts[i]] for i in pick.tolist()]).to(device)
+
+
+def run_variant(model, prompts, task, variant, max_chars, seqlen, vocab):
+    """Every prompt under one variant: a list of Decoded, and the seconds it all took."""
+    stop = lambda ids: re.search(task.end, "".join(vocab[i] for i in ids)) is not None
+    grammar = None if variant == "unconstrained" else task.grammar
+    start = time.perf_counter()
+    outs = [constrained_generate(model, p[None], grammar, max_chars, seqlen, variant.endswith("jump-forward"), stop)
+            for p in prompts]
+    return outs, time.perf_counter() - start
+
+
+def check_outputs(model, prompts, task, outs, seqlen, vocab):
+    """Unconstrained = generate_kvcache; jump-forward = masked decoding; the grammar accepts every output."""
+    text = lambda d: "".join(vocab[i] for i in d.tokens)
+    unconstrained, masked, jumped = (outs[v] for v in VARIANTS)
+    return {
+        "unconstrained = generate_kvcache": all(
+            generate_kvcache(model, p[None], len(d.tokens), seqlen)[0, p.numel():].tolist() == d.tokens
+            for p, d in zip(prompts, unconstrained)),
+        "jump-forward = masked decoding": all(a.tokens == b.tokens for a, b in zip(masked, jumped)),
+        "constrained outputs accepted": all(task.grammar.accepts(text(d)) for d in masked + jumped),
+    }
+
+
+@torch.inference_mode()
+def grammar_loss(model, task, data, seqlen, masked):
+    """Mean loss (nats per character) of the validation texts the grammar accepts, each read after the
+    text before it (a full window); masked: the grammar's forbidden characters removed from the softmax."""
+    if not task.examples:
+        return None
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for offset, text in task.examples:
+        end = offset + len(text)
+        window = data.val[end - seqlen - 1:end].to(device)  # [seqlen + 1]: the inputs and their next characters
+        logits = iu.logits_of(model(window[None, :-1]))[0, -len(text):].float()  # [len, vocab]
+        if masked:  # every row at once: the grammar's mask before each character of the text
+            task.grammar.mask_logits_along(logits, text)
+        total += F.cross_entropy(logits, window[-len(text):], reduction="sum").item()
+        count += len(text)
+    return total / count
+
+
+def measure(model, prompts, tasks, max_chars, seqlen, vocab, repeats):
+    """A warm-up run of every (task, variant) whose outputs are checked, then `repeats` timed rounds,
+    the variants round-robin. Returns {(task, variant): (outputs, [seconds])} and the checks."""
+    runs = [(task, variant) for task in tasks for variant in VARIANTS]
+    results = {(t.name, v): (run_variant(model, prompts, t, v, max_chars, seqlen, vocab)[0], []) for t, v in runs}
+    checks = {f"{task.name}: {name}": ok for task in tasks for name, ok in check_outputs(
+        model, prompts, task, {v: results[task.name, v][0] for v in VARIANTS}, seqlen, vocab).items()}
+    for _ in tqdm(range(repeats), desc="timed rounds"):
+        for task, variant in runs:
+            results[task.name, variant][1].append(run_variant(model, prompts, task, variant, max_chars, seqlen,
+                                                              vocab)[1])
+    return results, checks
+
+
+def make_rows(tasks, results, losses, vocab):
+    rows = []
+    for task in tasks:
+        for variant in VARIANTS:
+            outs, seconds = results[task.name, variant]
+            texts = ["".join(vocab[i] for i in d.tokens) for d in outs]
+            n_chars = sum(len(t) for t in texts)
+            median = lambda xs: statistics.median(xs) * 1e3 if xs else None
+            regex = task.grammar.python_regex
+            rows.append(iu.make_row(
+                variant, grammar=task.name, tokens_per_s=n_chars / statistics.median(seconds),
+                val_loss=losses[task.name, variant != "unconstrained"],
+                accepted=sum(map(task.grammar.accepts, texts)) / len(texts),
+                accepted_re=None if regex is None else sum(bool(regex.fullmatch(t)) for t in texts) / len(texts),
+                chars=n_chars / len(texts), calls_per_char=sum(d.calls for d in outs) / n_chars,
+                mask_ms=median([s for d in outs for s in d.mask_s]),
+                forward_ms=median([s for d in outs for s in d.forward_s])))
+    return rows
+
+
+def plot_results(rows, path, preset, device):
+    fig, (ax_calls, ax_speed) = iu.new_figure(2)
+    grammars = list(dict.fromkeys(r["grammar"] for r in rows))
+    width = 0.8 / len(VARIANTS)
+    for k, variant in enumerate(VARIANTS):
+        mine = [next(r for r in rows if r["grammar"] == g and r["variant"] == variant) for g in grammars]
+        xs = [i + k * width for i in range(len(grammars))]
+        ax_calls.bar(xs, [r["calls_per_char"] for r in mine], width, label=variant)
+        ax_speed.bar(xs, [r["tokens_per_s"] for r in mine], width, label=variant)
+    for ax in (ax_calls, ax_speed):
+        ax.set_xticks([i + width for i in range(len(grammars))], [g.split(" (")[0] for g in grammars])
+    ax_calls.set(ylabel="model calls per output character", title=f"structured decoding (preset {preset.name})")
+    ax_speed.set(ylabel="output characters per second", title=f"greedy, batch 1 ({device})")
+    ax_calls.legend()
+    iu.save_plot(fig, path)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    add = parser.add_argument
+    add("--speakers", nargs="+", default=None, metavar="NAME",
+        help="speaker names the grammars allow, as the corpus writes them (default: the 8 who speak most "
+             "in the validation text)")
+    add("--n-outputs", type=iu.int_at_least(1), default=8, help="prompts (validation text before a turn) per variant")
+    add("--prompt-len", type=iu.int_at_least(1), default=16, help="prompt length in characters")
+    add("--max-lines", type=iu.int_at_least(1), default=2, help="most verse lines in a play turn")
+    add("--max-line-chars", type=iu.int_at_least(4), default=48, help="most characters in a line")
+    add("--repeats", type=iu.int_at_least(1), default=3, help="timed rounds (median, after the checked warm-up)")
+    return parser, parser.parse_args(argv)
+
+
+def check_speakers(parser, args, data):
+    """--speakers against the corpus, or the default: the most frequent speakers of the validation text."""
+    if args.speakers is None:
+        return [name for name, _ in sd.corpus_speakers(data.decode(data.val.tolist())).most_common(8)]
+    try:
+        sd.check_speakers(args.speakers, sd.corpus_speakers(data.decode(torch.cat([data.train, data.val]).tolist())))
+    except ValueError as e:
+        parser.error(f"--speakers: {e}")
+    return args.speakers
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    preset, device, data = iu.setup(args, parser)
+    speakers = check_speakers(parser, args, data)
+    tasks = make_tasks(speakers, data, preset.seqlen, args.max_lines, args.max_line_chars)
+    max_chars = max(map(len, speakers)) + 3 + args.max_lines * (args.max_line_chars + 1)  # the longest turn
+    if args.prompt_len + max_chars > preset.seqlen:  # past the window the post's cache drifts (gptlite_kvcache.py)
+        parser.error(f"a prompt of {args.prompt_len} and the longest turn ({max_chars} characters) exceed the window "
+                     f"of {preset.seqlen}: lower --prompt-len, --max-lines or --max-line-chars")
+
+    model = iu.kv_cache_model(iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed))
+    prompts = turn_prompts(data, args.n_outputs, args.prompt_len, args.seed, device)
+    losses = {(t.name, masked): grammar_loss(model, t, data, preset.seqlen, masked)
+              for t in tasks for masked in (False, True)}
+    results, checks = measure(model, prompts, tasks, max_chars, preset.seqlen, data.vocab, args.repeats)
+    rows = make_rows(tasks, results, losses, data.vocab)
+    decode = lambda ids: "".join(data.vocab[i] for i in ids)
+
+    print(f"\nspeakers: {', '.join(speakers)}; {args.n_outputs} prompts of {args.prompt_len} characters (the text "
+          f"before a validation turn), at most {max_chars} characters per output, median of {args.repeats} rounds")
+    iu.print_table(rows, untrained=args.untrained)
+    summary = [f"val loss: the validation turns each grammar accepts ({', '.join(f'{t.name}: {len(t.examples)}' for t in tasks)}), "
+               "unconstrained vs. with the grammar's mask (renormalized over the allowed characters)",
+               "accepted: outputs the grammar engine accepts; accepted_re: Python's re.fullmatch of the same regex",
+               "calls_per_char: model forward passes (prefill included) per output character; mask_ms: median "
+               "grammar mask per step; forward_ms: median forward pass per call",
+               *(f"{t.name}, first constrained output: {decode(results[t.name, VARIANTS[1]][0][0].tokens)!r}"
+                 for t in tasks),
+               "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
+    print("\n".join(summary))
+    failures = [name for name, ok in checks.items() if not ok]
+    if failures:
+        raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug (nothing written)")
+    if args.plot:
+        plot_results(rows, args.plot, preset, device)
+    if args.json:
+        iu.save_json(args.json, "main_structured_decoding.py", preset, device, rows, untrained=args.untrained,
+                     speakers=speakers, grammars={t.name: t.grammar.source for t in tasks}, checks=checks,
+                     summary=summary)
+
+
+if __name__ == "__main__":
+    iu.run(main)
