@@ -76,6 +76,9 @@ RUNS = [
     Run("main_pruning", "main_pruning.py", "docs/smaller_models.md", "pruning",
         "validation loss against distillation steps, pruned and from random weights",
         quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),
+    Run("main_structured_decoding", "main_structured_decoding.py", "docs/structured_decoding.md", "structured_decoding",
+        "model calls per character and characters per second, by grammar, with and without jump-forward",
+        quick=("--n-outputs", "2", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -418,12 +421,23 @@ def pruning_headline(r):
             f"{random_prune['val_pruned']:.2f} at random")
 
 
+def structured_headline(r):
+    turn = lambda v: find(r, v, grammar="play turn (EBNF)")  # noqa: E731
+    direction = find(r, "constrained + jump-forward", grammar="stage direction (EBNF)")
+    return ("structured decoding (XGrammar), jump-forward",
+            f"play turns accepted: {turn('unconstrained')['accepted']:.0%} unconstrained, "
+            f"{turn('constrained')['accepted']:.0%} constrained; jump-forward: "
+            f"{turn('constrained + jump-forward')['calls_per_char']:.2f} model calls per character on play turns, "
+            f"{direction['calls_per_char']:.2f} on stage directions; the same text")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
-             "main_distillation": distillation_headline, "main_pruning": pruning_headline}
+             "main_distillation": distillation_headline, "main_pruning": pruning_headline,
+             "main_structured_decoding": structured_headline}
 
 
 def summary_block(results):

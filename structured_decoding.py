@@ -131,8 +131,8 @@ class CharGrammar:
             raise ValueError(f"the {kind} grammar does not parse: {reason}") from None
         outside = sorted(grammar_characters(str(grammar)) - set(vocab))
         if outside:
-            raise ValueError(f"the grammar writes {outside}, outside GPTlite's vocabulary of {len(vocab)} "
-                             f"characters (tiny Shakespeare has no {''.join(outside)!r}); use the corpus's characters")
+            raise ValueError(f"the grammar writes {outside}, characters outside GPTlite's vocabulary (the "
+                             f"{len(vocab)} characters of tiny Shakespeare): write it with the corpus's characters")
         self.source, self.kind, self.vocab = source, kind, vocab
         info = xgr.TokenizerInfo(list(vocab), stop_token_ids=[])  # no end token: the grammar's end stops
         self.compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar(grammar)

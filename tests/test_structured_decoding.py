@@ -1,0 +1,187 @@
+"""Structured decoding: the grammar mask, constrained greedy decoding against a reference written here
+(the full forward pass, one character at a time, the allowed set found by asking the engine to accept
+each character), jump-forward identical, outputs accepted, the loss under the mask, bad input."""
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import inference_utils as iu
+import main_structured_decoding as msd
+import structured_decoding as sd
+from conftest import TINY
+from gptlite import GPTlite
+from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+
+VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # tiny Shakespeare's 65
+SPEAKERS = ["KING", "KATE", "GREMIO"]
+
+
+@pytest.fixture
+def models():
+    """The same random weights, N(0, 0.5) as in conftest, in GPTlite and GPTlite_KVCache; a 64 window."""
+    torch.manual_seed(0)
+    config = {**TINY, "seqlen": 64}
+    base = GPTlite(**config).eval()
+    with torch.no_grad():
+        for p in base.parameters():
+            p.normal_(0.0, 0.5)
+    cached = GPTlite_KVCache(**config).eval()
+    cached.load_state_dict(base.state_dict())
+    return base, cached
+
+
+def grammars():
+    return {"turn": sd.CharGrammar(sd.turn_grammar(SPEAKERS, max_lines=2, max_line_chars=8), VOCAB),
+            "direction": sd.CharGrammar(sd.stage_direction_grammar(SPEAKERS), VOCAB),
+            "reply": sd.CharGrammar(sd.reply_regex(SPEAKERS, max_chars=10), VOCAB, kind="regex")}
+
+
+def allowed_reference(matcher):
+    """The characters the engine accepts next, one at a time on a copy of the matcher (not the bitmask)."""
+    return {i for i in range(len(VOCAB)) if matcher.fork().accept_token(i)}
+
+
+@torch.inference_mode()
+def reference_generate(base, prompt, grammar, max_chars):
+    """Greedy constrained decoding by the full forward pass: argmax over the allowed characters."""
+    matcher, out = grammar.matcher(), []
+    while not matcher.is_terminated() and len(out) < max_chars:
+        logits = base(torch.tensor([prompt + out]))[0, -1]  # [vocab]
+        allowed = sorted(allowed_reference(matcher))
+        out.append(allowed[int(logits[allowed].argmax())])
+        assert matcher.accept_token(out[-1])
+    return out
+
+
+def test_mask_is_the_engines_allowed_set_at_every_step():
+    g = grammars()["turn"]
+    text = "KATE:\nAy me\nSo\n\n"
+    matcher, bitmask = g.matcher(), g.new_bitmask()
+    along = g.mask_logits_along(torch.zeros(len(text), len(VOCAB)), text)
+    for j, c in enumerate(text):
+        logits = g.mask_logits(matcher, torch.zeros(1, len(VOCAB)), bitmask)
+        expected = allowed_reference(matcher)
+        assert set((logits[0] == 0).nonzero().flatten().tolist()) == expected
+        assert set((along[j] == 0).nonzero().flatten().tolist()) == expected
+        assert torch.isinf(logits[0]).sum() == len(VOCAB) - len(expected)
+        assert matcher.accept_string(c)
+    assert matcher.is_terminated()
+    assert {VOCAB[i] for i in allowed_reference(g.matcher())} == {"K", "G"}  # a speaker's first letter
+
+
+@pytest.mark.parametrize("name", ["turn", "direction", "reply"])
+def test_constrained_decoding_matches_the_reference_and_jump_forward(models, name):
+    base, cached = models
+    g = grammars()[name]
+    for seed in range(3):
+        prompt = torch.randint(len(VOCAB), (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = reference_generate(base, prompt, g, max_chars=40)
+        masked = msd.constrained_generate(cached, torch.tensor([prompt]), g, 40, 64)
+        jumped = msd.constrained_generate(cached, torch.tensor([prompt]), g, 40, 64, jump_forward=True)
+        assert masked.tokens == expected
+        assert jumped.tokens == expected  # forced characters are the ones masked decoding picks
+        text = "".join(VOCAB[i] for i in expected)
+        assert g.accepts(text)  # the grammar is complete: decoding stopped on its own
+        assert masked.calls == len(expected)  # the prefill, then one call per character but the last
+        assert jumped.calls < masked.calls  # every grammar here forces characters (names, ":\n", ".\n")
+        if g.python_regex is not None:
+            assert g.python_regex.fullmatch(text)
+
+
+def test_unconstrained_decoding_is_generate_kvcache(models):
+    _, cached = models
+    prompt = torch.tensor([[20, 30, 40, 1]])
+    stop = lambda ids: len(ids) >= 2 and ids[-1] == 0  # a newline after the first character
+    out = msd.constrained_generate(cached, prompt, None, 30, 64, stop=stop)
+    assert out.tokens == generate_kvcache(cached, prompt, len(out.tokens), 64)[0, 4:].tolist()
+    assert len(out.tokens) == 30 or stop(out.tokens)
+
+
+def test_grammar_loss_renormalizes_over_the_allowed_characters(models):
+    base, _ = models
+    turn = "KATE:\nAy me\n\n"
+    context = "So\nthe end of it\n\n" * 4
+    val = torch.tensor([VOCAB.index(c) for c in context + turn])
+    data = iu.Data(vocab=VOCAB, train=val, val=val)
+    task = msd.Task("turn", grammars()["turn"], r"\n\n", [(len(context), turn)])
+    with torch.inference_mode():
+        logits = base(val[None, -65:-1])[0, -len(turn):]  # [len, vocab]: the window that ends with the turn
+    targets = val[-len(turn):]
+    matcher, expected = task.grammar.matcher(), 0.0
+    for j, c in enumerate(turn):
+        allowed = sorted(allowed_reference(matcher))
+        expected -= torch.log_softmax(logits[j, allowed], dim=-1)[allowed.index(int(targets[j]))].item()
+        matcher.accept_string(c)
+    assert msd.grammar_loss(base, task, data, 64, masked=True) == pytest.approx(expected / len(turn), abs=1e-5)
+    assert msd.grammar_loss(base, task, data, 64, masked=False) == pytest.approx(
+        F.cross_entropy(logits, targets).item(), abs=1e-5)
+    assert msd.grammar_loss(base, msd.Task("none", task.grammar, "", []), data, 64, masked=True) is None
+
+
+def test_grammar_characters_reads_literals_classes_and_escapes():
+    printed = r'root ::= (("a\"b" [x-z\n] [^\n{] "\x41" [\-q]))'
+    assert sd.grammar_characters(printed) == {"a", '"', "b", "x", "y", "z", "\n", "A", "-", "q"}
+
+
+@pytest.mark.parametrize("source, kind", [('root ::= "KING" "{"', "ebnf"), ("root ::= [a-z{}]", "ebnf"),
+                                          (r"KING: \{[a-z]+\}", "regex")])
+def test_a_character_outside_the_vocabulary_is_refused(source, kind):
+    with pytest.raises(ValueError, match=r"writes \['\{'.*outside GPTlite's vocabulary"):
+        sd.CharGrammar(source, VOCAB, kind)
+
+
+def test_bad_grammars_are_clear_errors():
+    with pytest.raises(ValueError, match='does not parse: .*Rule "speaker" is not defined'):
+        sd.CharGrammar("root ::= speaker", VOCAB)
+    with pytest.raises(ValueError, match="kind must be 'ebnf' or 'regex'"):
+        sd.CharGrammar("root ::= \"a\"", VOCAB, kind="json")
+    with pytest.raises(ValueError, match="does not accept 'KX'"):
+        grammars()["turn"].mask_logits_along(torch.zeros(3, len(VOCAB)), "KX:")
+
+
+def test_an_unknown_speaker_is_refused_with_close_names():
+    known = sd.corpus_speakers("PETRUCHIO:\nAy.\n\nKATHARINA:\nNo.\n\nPETRUCHIO:\nYes.\n\n")
+    assert known == {"PETRUCHIO": 2, "KATHARINA": 1}
+    sd.check_speakers(["KATHARINA"], known)
+    with pytest.raises(ValueError, match="'PETRUCHO' never speaks.*did you mean PETRUCHIO"):
+        sd.check_speakers(["KATHARINA", "PETRUCHO"], known)
+    with pytest.raises(ValueError, match="at least one speaker"):
+        sd.check_speakers([], known)
+
+
+def test_corpus_turns_and_the_default_grammars_read_the_real_corpus(real_data):
+    text = real_data.decode(real_data.val.tolist())
+    turns = sd.corpus_turns(text)
+    assert len(turns) > 500 and all(text[i:i + len(t)] == t and t.endswith("\n\n") for i, t in turns)
+    speakers = [name for name, _ in sd.corpus_speakers(text).most_common(8)]
+    turn = sd.CharGrammar(sd.turn_grammar(speakers, 2, 48), real_data.vocab)
+    reply = sd.CharGrammar(sd.reply_regex(speakers, 48), real_data.vocab, kind="regex")
+    accepted = [t for _, t in turns if turn.accepts(t)]
+    assert accepted and all(t.split(":\n")[0] in speakers for t in accepted)
+    for _, t in turns[:200]:  # the engine and Python's re agree on the regex grammar
+        assert reply.accepts(t[:-1]) == bool(reply.python_regex.fullmatch(t[:-1]))
+
+
+def test_script_runs_and_writes_json(real_data, tmp_path, capsys):
+    out = tmp_path / "sd.json"
+    msd.main(["--untrained", "--n-outputs", "1", "--repeats", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["rows"]] == list(msd.VARIANTS) * 3
+    assert all(result["checks"].values())
+    assert all(r["accepted"] == 1 for r in result["rows"] if r["variant"] != "unconstrained")
+    assert "checks:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speakers", "PETRUCHO"], "did you mean PETRUCHIO"),
+    (["--prompt-len", "100"], "exceed the window of 128"),
+    (["--n-outputs", "0"], "at least 1"),
+    (["--max-line-chars", "2"], "at least 4"),
+])
+def test_bad_flags_are_refused_before_any_work(real_data, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        msd.main(["--untrained", *argv])
+    assert re.search(message, capsys.readouterr().err)
