@@ -66,8 +66,8 @@ def constrained_generate(model, prompt, grammar, max_chars, seqlen, jump_forward
             if grammar and not matcher.accept_token(ids[0]):
                 raise iu.GPTliteError("the grammar allows no character here; check it (a dead end)")
         out.tokens += ids
-        if (matcher.is_terminated() if grammar else stop(out.tokens)):
-            break
+        if len(out.tokens) >= max_chars or (matcher.is_terminated() if grammar else stop(out.tokens)):
+            break  # no forward pass for a character that nothing follows
         t0 = time.perf_counter()
         logits, kv_cache = model(torch.tensor([ids], device=device), kv_cache, max_seqlen=seqlen)  # [1, T, vocab]
         logits = logits[:, -1].float()
@@ -200,7 +200,7 @@ def plot_results(rows, path, preset, device):
         ax.set_xticks([i + width for i in range(len(grammars))], [g.split(" (")[0] for g in grammars])
     ax_calls.set(ylabel="model calls per output character", title=f"structured decoding (preset {preset.name})")
     ax_speed.set(ylabel="output characters per second", title=f"greedy, batch 1 ({device})")
-    ax_calls.legend()
+    ax_calls.legend(loc="lower left")
     iu.save_plot(fig, path)
 
 
