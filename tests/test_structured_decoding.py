@@ -98,6 +98,7 @@ def test_unconstrained_decoding_is_generate_kvcache(models):
     out = msd.constrained_generate(cached, prompt, None, 30, 64, stop=stop)
     assert out.tokens == generate_kvcache(cached, prompt, len(out.tokens), 64)[0, 4:].tolist()
     assert len(out.tokens) == 30 or stop(out.tokens)
+    assert out.calls == len(out.tokens)  # the prefill, then one forward pass per character but the last
 
 
 def test_grammar_loss_renormalizes_over_the_allowed_characters(models):
