@@ -176,11 +176,9 @@ def capture_qkv(model, x):
         h = args[0]  # [B, T, d_model], after ln1
         captured.append(tuple(mha.split_heads(p(h)) for p in (mha.query_proj, mha.key_proj, mha.value_proj)))
     handles = [block.mha.register_forward_pre_hook(hook) for block in model.blocks]
-    try:
-        model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
+    model(x)
+    for handle in handles:
+        handle.remove()
     return captured
 
 
@@ -194,10 +192,8 @@ def offset_inputs(batch, n_heads, T, d_head, offset, seed):
 def qk_bytes(options, d_head, block_q, block_k, dtype_bytes):
     """Bytes of Q and K per token and head: the values (INT4 packed two a byte, as a kernel stores them) and
     the float32 scales (and SageAttention2's float32 mean of Q) amortized over their blocks."""
-    if options is None:
+    if not isinstance(options, dict):  # exact, pv16: Q and K as they are
         return 2 * d_head * dtype_bytes
-    if options == "pv16":
-        return 2 * d_head * dtype_bytes  # Q and K unchanged
     bits = options.get("bits", 8)
     extra = 4 * d_head / block_q if options.get("smooth_q") else 0
     return 2 * d_head * bits / 8 + 4 / block_q + 4 / block_k + extra
@@ -245,17 +241,18 @@ def model_rows(model, data, prompts, args, seqlen):
     rows = []
     for name, options in VARIANTS.items():
         attention = attention_fn(options)
-        with torch.inference_mode():  # the listing as written (non-causal) on the random inputs
-            random = errors(attention(q, k, v, False), exact_attention(q, k, v, causal_mask=False)) if options else None
-            real = [errors(attention(*qkv, True), exact_attention(*qkv)) for qkv in layers]
+        with torch.inference_mode():
+            random = errors(attention(q, k, v, False), exact_attention(q, k, v, causal_mask=False))  # as the listing
+            real = [errors(attention(*qkv, True), exact_attention(*qkv)) for qkv in layers]  # causal, per layer
         variant = model if options is None else use_attention(copy.deepcopy(model), attention)
         tokens = generate_kvcache(variant, prompts, args.n_tokens, seqlen)[:, prompts.shape[1]:]
-        worst = (min(c for c, _ in real), max(e for _, e in real))
-        fmt = lambda e: None if options is None else (f"{e[0]:.5f}", f"{e[1]:.1e}")  # noqa: E731
-        (cos_random, l1_random), (cos_model, l1_model) = fmt(random) or (None, None), fmt(worst) or (None, None)
+        figures = dict(cos_random=f"{random[0]:.5f}", rel_l1_random=f"{random[1]:.1e}",  # model: the worst layer
+                       cos_model=f"{min(c for c, _ in real):.5f}", rel_l1_model=f"{max(e for _, e in real):.1e}")
+        if options is None:  # the reference itself
+            figures = dict.fromkeys(figures)
         rows.append(iu.make_row(name, val_loss=iu.validation_loss(variant, data, n_batches=args.val_batches),
-                                cos_random=cos_random, rel_l1_random=l1_random, cos_model=cos_model,
-                                rel_l1_model=l1_model, token_agreement=(tokens == ref_tokens).float().mean().item(),
+                                **figures,
+                                token_agreement=(tokens == ref_tokens).float().mean().item(),
                                 first_diff=first_difference(tokens, ref_tokens),
                                 qk_bytes=round(qk_bytes(options, D, 128, 64, model.fc_out.weight.element_size()), 2)))
     k_offset = max((kk.mean(-2).norm(dim=-1) / (kk - kk.mean(-2, keepdim=True)).norm(dim=-1).mean(-1)).max().item()
@@ -316,11 +313,11 @@ def main(argv=None):
     for row in rows:
         row["attn_ms"] = ms[row["variant"]]
         row["qk_ms"] = ms["int8"] if "INT" in row["variant"] else ms["float32"]
-    print(f"\nerrors against exact attention: random q, k, v with a per-channel K offset of std {args.offset} "
-          f"(non-causal, as the listing), and the model's own Q, K, V per layer (worst layer); loss on "
-          f"{args.val_batches} validation batches; token agreement over {args.batch_size} x {args.n_tokens} greedy "
-          f"tokens, first_diff the median tokens before the first difference; qk_bytes per token and head; ms: batch 1, {preset.n_heads} heads, {args.bench_len} tokens, "
-          f"median of {args.repeats}, on the CPU")
+    print(f"\nerrors against exact attention on random q, k, v with a per-channel K offset of std {args.offset} "
+          f"(non-causal, as the listing) and on the model's own Q, K, V (causal, worst layer); loss on "
+          f"{args.val_batches} validation batches; {args.batch_size} x {args.n_tokens} greedy tokens (first_diff: "
+          f"median tokens before the first difference); qk_bytes per token and head; ms: batch 1, {preset.n_heads} "
+          f"heads, {args.bench_len} tokens, median of {args.repeats}, CPU")
     iu.print_table(rows, untrained=args.untrained)
     pv = str(pv_dtype(device)).removeprefix("torch.")
     summary = [f"smoothing invariance: exact attention of K and of K - mean(K) differ by {smooth_diff:.1e}",
@@ -329,9 +326,8 @@ def main(argv=None):
                f"{ms['float32']:.2f} ms at {args.bench_len} tokens: INT8 is {'faster' if fast_int8 else 'not faster'} here "
                f"(CPU capability {torch.backends.cpu.get_cpu_capability()}); INT4 runs on the INT8 product (no INT4 "
                "matmul in torch)",
-               "the whole eager function is slower than exact attention: quantizing is extra passes without a fused "
-               "kernel" if min(r["attn_ms"] for r in rows[1:]) > rows[0]["attn_ms"] else
-               "the whole eager function is faster than exact attention here"]
+               f"the whole attention: {ms['INT8 + smooth K (SageAttention)']:.1f} ms INT8 + smooth K against "
+               f"{ms['exact (float32)']:.1f} ms exact (eager: quantizing is extra passes over Q and K, no fused kernel)"]
     print("\n".join(summary))
     if args.plot:
         plot(rows, args.plot, f"SageAttention variants ({preset.name}, {device.type})")
