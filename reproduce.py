@@ -430,8 +430,9 @@ def flash_decoding_headline(r):
     flash = [row for row in r["rows"] if row["n_splits"]]
     best = min(flash, key=lambda row: row[last])
     return (f"FlashDecoding (split-KV), one query over {last.removesuffix(' ms')} tokens, batch {r['bench_batch']}",
-            f"best {best['variant']} {x(best[last], find(r, 'SDPA')[last], '{:.2f}x')} SDPA's time, n_splits=1 "
-            f"{x(flash[0][last], find(r, 'SDPA')[last], '{:.2f}x')} on {r['device']}; exact (max |diff| "
+            "time / SDPA's: " + ", ".join(f"n_splits={row['n_splits']} {x(row[last], find(r, 'SDPA')[last], '{:.2f}x')}"
+                                          for row in (flash[0], flash[-1]))
+            + f" (best n_splits={best['n_splits']}) on {r['device']}; exact (max |diff| "
             f"{r['max_diff']:.0e}), the same tokens for every n_splits")
 
 
