@@ -191,7 +191,8 @@ def main(argv=None):
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
     found = check_model(model, args.splits, prompts, args.n_tokens, preset.seqlen)
-    print(f"flash_decoding against the reference attention, n_splits {args.splits}, {n_keys} keys: max |diff| {diff:.1e}")
+    print(f"flash_decoding against the reference attention, n_splits {args.splits}, {n_keys} keys: "
+          f"max |diff| {diff:.1e}")
     bad = [f"n_splits={n}" for n, (d, same, _) in found.items() if d > LOGITS_ATOL or not same]
     if diff > ATOL or bad:
         raise iu.GPTliteError(f"flash_decoding differs from the reference attention (max |diff| {diff:.1e}, atol "

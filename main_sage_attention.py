@@ -323,11 +323,11 @@ def main(argv=None):
     summary = [f"smoothing invariance: exact attention of K and of K - mean(K) differ by {smooth_diff:.1e}",
                f"the model's keys: the mean over tokens is up to {k_offset:.2f}x the tokens' own spread (one head)",
                f"P.V in {pv}; Q K^T alone: INT8 (torch._int_mm, one call per head) {ms['int8']:.2f} ms against float32 "
-               f"{ms['float32']:.2f} ms at {args.bench_len} tokens: INT8 is {'faster' if fast_int8 else 'not faster'} here "
+               f"{ms['float32']:.2f} ms at {args.bench_len} tokens: INT8 is {'' if fast_int8 else 'not '}faster here "
                f"(CPU capability {torch.backends.cpu.get_cpu_capability()}); INT4 runs on the INT8 product (no INT4 "
                "matmul in torch)",
                f"the whole attention: {ms['INT8 + smooth K (SageAttention)']:.1f} ms INT8 + smooth K against "
-               f"{ms['exact (float32)']:.1f} ms exact (eager: quantizing is extra passes over Q and K, no fused kernel)"]
+               f"{ms['exact (float32)']:.1f} ms exact (eager: quantizing is extra passes over Q and K)"]
     print("\n".join(summary))
     if args.plot:
         plot(rows, args.plot, f"SageAttention variants ({preset.name}, {device.type})")

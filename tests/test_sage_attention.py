@@ -72,8 +72,8 @@ def test_smoothing_k_leaves_exact_attention_unchanged():
     q, k, v = random_qkv(20, 20, offset=8.0)
     smoothed = k - k.mean(-2, keepdim=True)
     torch.testing.assert_close(explicit_attention(q, smoothed, v), explicit_attention(q, k, v), atol=ATOL, rtol=0)
-    torch.testing.assert_close(explicit_attention(q, smoothed, v, causal=True), explicit_attention(q, k, v, causal=True),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(explicit_attention(q, smoothed, v, causal=True),
+                               explicit_attention(q, k, v, causal=True), atol=ATOL, rtol=0)
 
 
 def test_smoothing_k_cuts_the_int8_error_of_a_per_channel_offset():
@@ -152,7 +152,8 @@ def test_bad_shapes_are_clear_errors(tiny_models):
 def test_main_sage_attention_end_to_end(real_data, tmp_path, capsys):
     out_json, out_png = tmp_path / "sa.json", tmp_path / "sa.png"
     msa.main(["--untrained", "--device", "cpu", "--val-batches", "1", "--prompt-len", "8", "--n-tokens", "4",
-              "--batch-size", "2", "--bench-len", "64", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png)])
+              "--batch-size", "2", "--bench-len", "64", "--repeats", "1", "--json", str(out_json),
+              "--plot", str(out_png)])
     assert "meaningless" in capsys.readouterr().out
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
