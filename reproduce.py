@@ -79,6 +79,13 @@ RUNS = [
     Run("main_structured_decoding", "main_structured_decoding.py", "docs/structured_decoding.md", "structured_decoding",
         "model calls per character and characters per second, by grammar, with and without jump-forward",
         quick=("--n-outputs", "2", "--repeats", "1")),
+    Run("main_flash_decoding", "main_flash_decoding.py", "docs/fast_attention.md", "flash_decoding",
+        "decode attention time against context length, and against n_splits",
+        quick=("--contexts", "256", "1024", "--splits", "1", "4", "--repeats", "1", "--n-tokens", "8",
+               "--batch-size", "2")),
+    Run("main_sage_attention", "main_sage_attention.py", "docs/fast_attention.md", "sage_attention",
+        "relative L1 error of each quantized variant, and its validation loss against float32's",
+        quick=("--val-batches", "2", "--n-tokens", "8", "--batch-size", "2", "--bench-len", "256", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -431,13 +438,33 @@ def structured_headline(r):
             f"{direction['calls_per_char']:.2f} on stage directions; the same text")
 
 
+def flash_decoding_headline(r):
+    last = [k for k in find(r, "SDPA") if k.endswith(" ms")][-1]  # the longest context's column
+    flash = [row for row in r["rows"] if row["n_splits"]]
+    best = min(flash, key=lambda row: row[last])
+    return (f"FlashDecoding (split-KV), one query over {last.removesuffix(' ms')} tokens, batch {r['bench_batch']}",
+            "time / SDPA's: " + ", ".join(f"n_splits={row['n_splits']} {x(row[last], find(r, 'SDPA')[last], '{:.2f}x')}"
+                                          for row in (flash[0], flash[-1]))
+            + f" (best n_splits={best['n_splits']}) on {r['device']}; exact (max |diff| "
+            f"{r['max_diff']:.0e}), the same tokens for every n_splits")
+
+
+def sage_headline(r):
+    exact, int8, int4 = (find(r, v) for v in ("exact", "INT8 + smooth K", "INT4 + smooth Q, K"))
+    return ("SageAttention: INT8 Q and K per block, K smoothed; INT4 (SageAttention2-style)",
+            f"val loss {int8['val_loss'] - exact['val_loss']:+.4f} (INT8), {int4['val_loss'] - exact['val_loss']:+.4f} "
+            f"(INT4) against float32; relative L1 on the model's Q, K, V {int8['rel_l1_model']} (INT8); Q and K "
+            f"bytes {x(exact['qk_bytes'], int8['qk_bytes'])} smaller than float32's")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
              "main_distillation": distillation_headline, "main_pruning": pruning_headline,
-             "main_structured_decoding": structured_headline}
+             "main_structured_decoding": structured_headline,
+             "main_flash_decoding": flash_decoding_headline, "main_sage_attention": sage_headline}
 
 
 def summary_block(results):
