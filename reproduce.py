@@ -76,6 +76,9 @@ RUNS = [
     Run("main_pruning", "main_pruning.py", "docs/smaller_models.md", "pruning",
         "validation loss against distillation steps, pruned and from random weights",
         quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),
+    Run("main_moba", "main_moba.py", "docs/moba.md", "moba",
+        "validation loss against keys read per query, and KV bytes read per token against context length",
+        quick=("--uptrain-steps", "2", "--val-batches", "2", "--no-flex")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -418,12 +421,21 @@ def pruning_headline(r):
             f"{random_prune['val_pruned']:.2f} at random")
 
 
+def moba_headline(r):
+    dense, rest = r["rows"][0], r["rows"][1:]
+    return (f"MoBA, blocks of {r['block_size']}, {r['uptrain_steps']} uptraining steps",
+            "loss against dense at inference only / uptrained: " + ", ".join(
+                f"top-{row['top_k']} ({row['kv_kb_token'] / dense['kv_kb_token']:.0%} of the KV bytes) "
+                f"{row['gap_inference']:+.3f} / {row['gap_uptrained']:+.3f}" for row in rest))
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
-             "main_distillation": distillation_headline, "main_pruning": pruning_headline}
+             "main_distillation": distillation_headline, "main_pruning": pruning_headline,
+             "main_moba": moba_headline}
 
 
 def summary_block(results):
