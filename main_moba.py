@@ -53,9 +53,9 @@ def run_checks(base, config, window, block_size, top_ks, flex):
             diff = (model(window) - model.use_flex(flex)(window)).abs().max().item()
             checks[f"top-{k}: flex = mask (max |diff| {diff:.1e})"] = diff <= ATOL
         mha = model.blocks[0].mha
-        x = model.token_embedding(window) + model.position_embedding(torch.arange(window.shape[1], device=window.device))
-        K = mha.split_heads(mha.key_proj(model.blocks[0].ln1(x)))  # [B, H, S, D]
-        Q = mha.split_heads(mha.query_proj(model.blocks[0].ln1(x)))
+        positions = torch.arange(window.shape[1], device=window.device)
+        x = model.blocks[0].ln1(model.token_embedding(window) + model.position_embedding(positions))  # layer 0's input
+        Q, K = mha.split_heads(mha.query_proj(x)), mha.split_heads(mha.key_proj(x))  # [B, H, S, D]
         counted = moba_mask(select_blocks(Q, K, block_size, k), block_size, K.shape[-2]).sum(-1)  # [B, H, S]
         expected = torch.tensor([keys_read(p, block_size, k) for p in range(window.shape[1])])
         checks[f"top-{k}: keys read = formula"] = bool((counted == expected).all())
@@ -104,7 +104,8 @@ def plot_results(rows, path, preset, block_size):
                 ylabel="validation loss (nats/char)", title=f"MoBA, blocks of {block_size} (preset {preset.name})")
     ax_loss.legend()
     dims = (preset.n_heads, preset.d_head, preset.n_layers)
-    ax_kv.plot(CONTEXTS, [attention_cost(n - 1, None, 1, *dims)[1] / 2**10 for n in CONTEXTS], marker="o", label="dense")
+    dense_kv = [attention_cost(n - 1, None, 1, *dims)[1] / 2**10 for n in CONTEXTS]
+    ax_kv.plot(CONTEXTS, dense_kv, marker="o", label="dense")
     for r in moba:
         kv = [attention_cost(n - 1, block_size, r["top_k"], *dims)[1] / 2**10 for n in CONTEXTS]
         ax_kv.plot(CONTEXTS, kv, marker="o", label=f"MoBA top-{r['top_k']}")
@@ -170,21 +171,22 @@ def main(argv=None):
         val_loss = iu.validation_loss(model, data, n_batches=args.val_batches)
         dense = rows[0] if rows else dict(loss_inference=loss_inference, val_loss=val_loss)
         rows.append(iu.make_row(name, top_k=k, **cost_figures(args.block_size, k, preset, nb),
-                                loss_inference=loss_inference, gap_inference=round(loss_inference - dense["loss_inference"], 4),
+                                loss_inference=loss_inference,
+                                gap_inference=round(loss_inference - dense["loss_inference"], 4),
                                 val_loss=val_loss, gap_uptrained=round(val_loss - dense["val_loss"], 4)))
 
     attention = "FlexAttention (block mask) at evaluation" if flex is not None else "an explicit mask"
-    print(f"\nblocks of {args.block_size} tokens, {nb} in the {preset.seqlen}-token window; {steps} uptraining steps at "
-          f"peak lr {lr:g} for every row; attention through {attention}, uptraining on {device} "
+    print(f"\nblocks of {args.block_size} tokens, {nb} in the {preset.seqlen}-token window; {steps} uptraining steps "
+          f"at peak lr {lr:g} for every row; attention through {attention}, uptraining on {device} "
           f"{'with the explicit mask' if device.type == 'cpu' or flex is None else 'through FlexAttention'}")
     iu.print_table(rows, untrained=args.untrained)
     dense, sparsest = rows[0], rows[-1]
     summary = [f"loss_inference: MoBA applied to the dense checkpoint as it is; val_loss: after {steps} steps with "
                "MoBA (dense: the same steps, the control); gap_*: against dense",
-               f"kflops_token, kv_kb_token: attention FLOPs and K/V bytes (float32, {preset.n_layers} layers, mean keys "
-               f"of the router included) of the token decoded at position {preset.seqlen}",
-               f"top-{sparsest['top_k']} reads {sparsest['kv_kb_token'] / dense['kv_kb_token']:.0%} of dense's KV bytes at "
-               f"{preset.seqlen} tokens: gap {sparsest['gap_inference']:+.4f} at inference only, "
+               f"kflops_token, kv_kb_token: attention FLOPs and K/V bytes (float32, {preset.n_layers} layers, "
+               f"mean keys of the router included) of the token decoded at position {preset.seqlen}",
+               f"top-{sparsest['top_k']} reads {sparsest['kv_kb_token'] / dense['kv_kb_token']:.0%} of dense's KV "
+               f"bytes at {preset.seqlen} tokens: gap {sparsest['gap_inference']:+.4f} at inference only, "
                f"{sparsest['gap_uptrained']:+.4f} uptrained",
                f"FlexAttention: {flex_note or 'used for evaluation'}"]
     summary += [f"check {name}: {'ok' if ok else 'NO'}" for name, ok in checks.items()]
@@ -192,9 +194,9 @@ def main(argv=None):
     if args.plot:
         plot_results(rows, args.plot, preset, args.block_size)
     if args.json:
-        iu.save_json(args.json, "main_moba.py", preset, device, rows, untrained=args.untrained, block_size=args.block_size,
-                     n_blocks=nb, uptrain_steps=steps, lr=lr, checks=checks, flex_max_diff=flex_diff,
-                     flex_note=flex_note, summary=summary)
+        iu.save_json(args.json, "main_moba.py", preset, device, rows, untrained=args.untrained,
+                     block_size=args.block_size, n_blocks=nb, uptrain_steps=steps, lr=lr, checks=checks,
+                     flex_max_diff=flex_diff, flex_note=flex_note, summary=summary)
 
 
 if __name__ == "__main__":
