@@ -117,6 +117,20 @@ def test_gptlite_moba_of_every_block_gives_gptlite_logits_and_fewer_blocks_do_no
         assert not torch.allclose(main_moba.moba_from(base, TINY, 4, 2)(x), base(x), atol=1e-3)
 
 
+def test_the_script_checks_pass_with_flex_attention_and_catch_a_flex_that_ignores_the_mask():
+    from torch.nn.attention.flex_attention import flex_attention
+    base = random_gptlite()
+    window = torch.randint(TINY["vocab_size"], (2, TINY["seqlen"]), generator=torch.Generator().manual_seed(2))
+    checks = main_moba.run_checks(base, TINY, window, 4, [2, 1], flex_attention)  # eager: no compiler needed
+    assert len(checks) == 5 and all(checks.values())
+
+    def dense_flex(Q, K, V, block_mask):  # causal attention, the block mask ignored: a wrong kernel
+        return torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    checks = main_moba.run_checks(base, TINY, window, 4, [2], dense_flex)
+    assert checks == {"top-k = all blocks: GPTlite's logits": True, **{k: False for k in checks if "flex" in k},
+                      "top-2: keys read = formula": True}
+
+
 def test_gptlite_moba_trains_through_the_mask():
     model = main_moba.moba_from(random_gptlite(), TINY, 4, 2).train()
     x = torch.randint(TINY["vocab_size"], (2, TINY["seqlen"]))
