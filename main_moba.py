@@ -57,7 +57,7 @@ def run_checks(base, config, window, block_size, top_ks, flex):
         x = model.blocks[0].ln1(model.token_embedding(window) + model.position_embedding(positions))  # layer 0's input
         Q, K = mha.split_heads(mha.query_proj(x)), mha.split_heads(mha.key_proj(x))  # [B, H, S, D]
         counted = moba_mask(select_blocks(Q, K, block_size, k), block_size, K.shape[-2]).sum(-1)  # [B, H, S]
-        expected = torch.tensor([keys_read(p, block_size, k) for p in range(window.shape[1])])
+        expected = torch.tensor([keys_read(p, block_size, k) for p in range(window.shape[1])], device=window.device)
         checks[f"top-{k}: keys read = formula"] = bool((counted == expected).all())
     return checks
 
