@@ -426,7 +426,7 @@ def moba_headline(r):
     return (f"MoBA, blocks of {r['block_size']}, {r['uptrain_steps']} uptraining steps",
             "loss against dense at inference only / uptrained: " + ", ".join(
                 f"top-{row['top_k']} ({row['kv_kb_token'] / dense['kv_kb_token']:.0%} of the KV bytes) "
-                f"{row['gap_inference']:+.3f} / {row['gap_uptrained']:+.3f}" for row in rest))
+                f"{row['gap_inference']:+.4f} / {row['gap_uptrained']:+.4f}" for row in rest))
 
 
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
