@@ -86,6 +86,9 @@ RUNS = [
     Run("main_sage_attention", "main_sage_attention.py", "docs/fast_attention.md", "sage_attention",
         "relative L1 error of each quantized variant, and its validation loss against float32's",
         quick=("--val-batches", "2", "--n-tokens", "8", "--batch-size", "2", "--bench-len", "256", "--repeats", "1")),
+    Run("main_moba", "main_moba.py", "docs/moba.md", "moba",
+        "validation loss against keys read per query, and KV bytes read per token against context length",
+        quick=("--uptrain-steps", "2", "--val-batches", "2", "--no-flex")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -457,6 +460,14 @@ def sage_headline(r):
             f"bytes {x(exact['qk_bytes'], int8['qk_bytes'])} smaller than float32's")
 
 
+def moba_headline(r):
+    dense, rest = r["rows"][0], r["rows"][1:]
+    return (f"MoBA, blocks of {r['block_size']}, {r['uptrain_steps']} uptraining steps",
+            "loss against dense at inference only / uptrained: " + ", ".join(
+                f"top-{row['top_k']} ({row['kv_kb_token'] / dense['kv_kb_token']:.0%} of the KV bytes) "
+                f"{row['gap_inference']:+.4f} / {row['gap_uptrained']:+.4f}" for row in rest))
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
@@ -464,7 +475,8 @@ HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headl
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
              "main_distillation": distillation_headline, "main_pruning": pruning_headline,
              "main_structured_decoding": structured_headline,
-             "main_flash_decoding": flash_decoding_headline, "main_sage_attention": sage_headline}
+             "main_flash_decoding": flash_decoding_headline, "main_sage_attention": sage_headline,
+             "main_moba": moba_headline}
 
 
 def summary_block(results):
