@@ -227,11 +227,14 @@ def main(argv=None):
     iu.print_table(srows, untrained=args.untrained)
     sinks = next(r for r in srows if "sinks" in r["variant"])
     window = next(r for r in srows if "window cache" in r["variant"])
-    summary = ["every method at a full budget gives generate_kvcache's tokens; budgeted dense and the rotary "
-               "model's cached decode give their full forward pass's logits: " + ", ".join(checks),
+    summary = [f"checks passed ({len(checks)}): every method at budget {preset.seqlen} gives generate_kvcache's tokens; "
+               "the budgeted dense path and the rotary model's cached decode give their full forward pass's logits "
+               "(atol 1e-4)",
                f"attention on the first {args.n_sink} cache entries (mean over layers, heads, steps): "
                f"{sinks['first_mass']:.3f} with sinks, {window['first_mass']:.3f} for the window's oldest "
                f"{args.n_sink} (uniform would be {args.n_sink / W:.3f})",
+               *(f"stream, {r['variant']}: loss {r['val_loss']:.3f}, worst {args.segment}-character segment "
+                 f"{r['worst_segment']:.3f}, {r['tokens_per_s']:.0f} tok/s" for r in srows),
                "streaming loss per segment: " + "; ".join(
                    f"{name}: " + " ".join(f"{v:.2f}" for v in seg) for name, seg in losses.items())]
     print("\n".join(summary))
