@@ -44,6 +44,7 @@ class BudgetCache:
         self.n_tokens = 0
         self.n_first = n_first  # attention sinks' statistic: the weight of the first n_first entries
         self.first_mass = [0.0] * n_layers  # summed over heads' mean and decode steps, per layer
+        self.first_uniform = 0.0  # the same sum had every entry read got equal weight
         self.n_steps = 0
 
     def __len__(self):
@@ -261,6 +262,8 @@ def forward_budget(model, idx, cache, method):
         cache.layers[layer] = kv if idx_keep is None else gather(kv, idx_keep)
     cache.n_tokens += T
     cache.n_steps += T == 1
+    if T == 1:
+        cache.first_uniform += min(cache.n_first, n) / n  # equal weights over the n entries held
     return model.fc_out(model.ln(x))  # [B, T, vocab]
 
 

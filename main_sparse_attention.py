@@ -15,7 +15,6 @@ entries per layer and head at a decode step (kv_budget.py); a budget of the whol
    cached before rotation, positions = slots), and the post's clamp-at-seqlen-1 cache on GPTlite.
 """
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +133,7 @@ def stream_rows(variants, stream, segment, time_tokens, repeats):
                                 worst_segment=max(losses[name]), last_segment=losses[name][-1]))
         if cache is not None:  # attention on the first cache entries: the sinks, or the window's oldest
             rows[-1]["first_mass"] = sum(cache.first_mass) / len(cache.first_mass) / cache.n_steps
+            rows[-1]["uniform_mass"] = cache.first_uniform / cache.n_steps  # what equal weights would give
     seconds = {name: [] for name in variants}
     for r in range(repeats + 1):  # round-robin; the first round warms up
         for name, (_, step) in variants.items():
@@ -153,7 +153,11 @@ def plot_results(rows, losses, segment, W, path, preset):
         pts = [r for r in rows if r["method"] == name]
         ax_q.plot([r["budget"] for r in pts], [r["val_loss"] for r in pts], marker="o", label=name)
     ax_q.axhline(dense["val_loss"], color="gray", linestyle="--", label="dense")
-    ax_q.set(xscale="log", xlabel="KV budget (entries per layer and head)", ylabel="validation loss (nats/char)",
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "dense"})
+    ax_q.set_xscale("log")
+    ax_q.set_xticks(budgets, [str(b) for b in budgets], minor=False)
+    ax_q.minorticks_off()
+    ax_q.set(xlabel="KV budget (entries per layer and head)", ylabel="validation loss (nats/char)",
              title=f"KV budgets on GPTlite ({preset.name}, window {dense['budget']})")
     ax_q.legend()
     for name, seg in losses.items():
@@ -232,7 +236,7 @@ def main(argv=None):
                "(atol 1e-4)",
                f"attention on the first {args.n_sink} cache entries (mean over layers, heads, steps): "
                f"{sinks['first_mass']:.3f} with sinks, {window['first_mass']:.3f} for the window's oldest "
-               f"{args.n_sink} (uniform would be {args.n_sink / W:.3f})",
+               f"{args.n_sink} (equal weights over the entries read would give {sinks['uniform_mass']:.3f})",
                *(f"stream, {r['variant']}: loss {r['val_loss']:.3f}, worst {args.segment}-character segment "
                  f"{r['worst_segment']:.3f}, {r['tokens_per_s']:.0f} tok/s" for r in srows),
                "streaming loss per segment: " + "; ".join(
