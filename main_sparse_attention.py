@@ -134,6 +134,7 @@ def stream_rows(variants, stream, segment, time_tokens, repeats):
         if cache is not None:  # attention on the first cache entries: the sinks, or the window's oldest
             rows[-1]["first_mass"] = sum(cache.first_mass) / len(cache.first_mass) / cache.n_steps
             rows[-1]["uniform_mass"] = cache.first_uniform / cache.n_steps  # what equal weights would give
+            rows[-1]["mass_by_layer"] = " ".join(f"{m / cache.n_steps:.2f}" for m in cache.first_mass)
     seconds = {name: [] for name in variants}
     for r in range(repeats + 1):  # round-robin; the first round warms up
         for name, (_, step) in variants.items():
@@ -236,7 +237,8 @@ def main(argv=None):
                "(atol 1e-4)",
                f"attention on the first {args.n_sink} cache entries (mean over layers, heads, steps): "
                f"{sinks['first_mass']:.3f} with sinks, {window['first_mass']:.3f} for the window's oldest "
-               f"{args.n_sink} (equal weights over the entries read would give {sinks['uniform_mass']:.3f})",
+               f"{args.n_sink} (equal weights over the entries read would give {sinks['uniform_mass']:.3f}); by layer, "
+               f"first to last: {sinks['mass_by_layer']} with sinks, {window['mass_by_layer']} window-only",
                *(f"stream, {r['variant']}: loss {r['val_loss']:.3f}, worst {args.segment}-character segment "
                  f"{r['worst_segment']:.3f}, {r['tokens_per_s']:.0f} tok/s" for r in srows),
                "streaming loss per segment: " + "; ".join(
