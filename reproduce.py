@@ -89,6 +89,10 @@ RUNS = [
     Run("main_moba", "main_moba.py", "docs/moba.md", "moba",
         "validation loss against keys read per query, and KV bytes read per token against context length",
         quick=("--uptrain-steps", "2", "--val-batches", "2", "--no-flex")),
+    Run("main_sparse_attention", "main_sparse_attention.py", "docs/sparse_attention.md", "sparse_attention",
+        "validation loss against KV budget per method, and streaming loss per 500 characters",
+        quick=("--n-windows", "2", "--n-prompts", "2", "--n-tokens", "16", "--stream-chars", "1000",
+               "--time-tokens", "16", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -468,6 +472,20 @@ def moba_headline(r):
                 f"{row['gap_inference']:+.4f} / {row['gap_uptrained']:+.4f}" for row in rest))
 
 
+def sparse_headline(r):
+    budgets = sorted({row["budget"] for row in r["rows"] if row["method"] != "dense"})
+    budget = budgets[len(budgets) // 2]  # the middle one
+    losses = ", ".join(f"{m} {find(r, f'{m} {budget}')['loss_vs_dense']:+.3f}"
+                       for m in ("window", "sinks", "H2O", "SnapKV", "Quest"))
+    stream = {row["variant"]: row for row in r["stream_rows"]}
+    worst = lambda key: num(next(v for k, v in stream.items() if key in k)["worst_segment"], "{:.2f}")  # noqa: E731
+    return (f"KV budgets without retraining (window, sinks, H2O, SnapKV, Quest), budget {budget} of "
+            f"{find(r, 'dense')['budget']}",
+            f"loss against dense: {losses}; streaming {r['segment']}-character worst segment: rotary window cache "
+            f"{worst('window cache')}, sinks {worst('sinks')}, re-encoding {worst('rotary: re-encode')}; "
+            f"the post's clamped cache {worst('clamp')} against re-encoding {worst('GPTlite: re-encode')}")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
@@ -476,7 +494,8 @@ HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headl
              "main_distillation": distillation_headline, "main_pruning": pruning_headline,
              "main_structured_decoding": structured_headline,
              "main_flash_decoding": flash_decoding_headline, "main_sage_attention": sage_headline,
-             "main_moba": moba_headline}
+             "main_moba": moba_headline,
+             "main_sparse_attention": sparse_headline}
 
 
 def summary_block(results):
