@@ -76,6 +76,8 @@ RUNS = [
     Run("main_pruning", "main_pruning.py", "docs/smaller_models.md", "pruning",
         "validation loss against distillation steps, pruned and from random weights",
         quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),
+    Run("main_continuous_batching_prefix_sharing", "main_continuous_batching.py", "docs/batching.md",
+        args=("--prefix-sharing",), quick=("--n-requests", "8", "--repeats", "1", "--turns", "2")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -418,12 +420,23 @@ def pruning_headline(r):
             f"{random_prune['val_pruned']:.2f} at random")
 
 
+def prefix_sharing_headline(r):
+    off, on = find(r, "system prompt, no sharing"), find(r, "system prompt, prefix sharing")
+    turns_off, turns_on = find(r, "multi-turn, no sharing"), find(r, "multi-turn, prefix sharing")
+    return (f"prefix sharing in the paged engine: {r['system_len']}-token system prompt, {r['turns']}-turn conversations",
+            f"p50 TTFT {x(off['ttft_arrival_ms'], on['ttft_arrival_ms'])} lower with shared blocks (hit rate "
+            f"{on['hit_rate']:.0%}, KV blocks in use {off['kv_blocks']:.0f} -> {on['kv_blocks']:.0f}); multi-turn "
+            f"{x(turns_off['ttft_arrival_ms'], turns_on['ttft_arrival_ms'])} (hit rate {turns_on['hit_rate']:.0%}); "
+            "identical tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
-             "main_distillation": distillation_headline, "main_pruning": pruning_headline}
+             "main_distillation": distillation_headline, "main_pruning": pruning_headline,
+             "main_continuous_batching_prefix_sharing": prefix_sharing_headline}
 
 
 def summary_block(results):
