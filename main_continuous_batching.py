@@ -253,18 +253,12 @@ def parse_args(argv):
     parser.add_argument("--prefix-sharing", action="store_true",
                         help="instead: a trace whose requests share a system prompt and a multi-turn trace, each "
                              "through the engine with chunked prefill, without and with prefix sharing")
-    parser.add_argument("--system-len", type=at_least(1), default=64, help="--prefix-sharing: system prompt tokens")
-    parser.add_argument("--turns", type=at_least(2), default=4,
-                        help="--prefix-sharing: turns per conversation (conversations: --n-requests / --turns)")
-    parser.add_argument("--think-time", type=iu.positive_float, default=2.0,
-                        help="--prefix-sharing: seconds between a conversation's turns")
+    serving.add_sharing_args(parser)
     args = parser.parse_args(argv)
     if args.variants is not None and len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants repeats a name: {args.variants}")
     if args.prefix_sharing and (args.variants is not None or args.plot):
         parser.error("--prefix-sharing runs its own two variants and has no plot: drop --variants and --plot")
-    if args.prefix_sharing and args.n_requests < args.turns:
-        parser.error(f"--prefix-sharing needs --n-requests of at least --turns={args.turns} (one conversation)")
     args.variants = args.variants or list(VARIANTS[:4])
     return parser, args
 
@@ -280,13 +274,8 @@ def main(argv=None):
             need = -(-(preset.seqlen - 1) // args.block_size)
             parser.error(f"--n-blocks {args.n_blocks} of {args.block_size} tokens cannot hold one request of the "
                          f"window seqlen={preset.seqlen}: give at least {need} blocks")
-        window = preset.seqlen - args.system_len  # what the system prompt leaves to a question and its answer
-        if args.prefix_sharing and not args.prompt_median < window > args.output_median:
-            parser.error(f"--system-len {args.system_len} leaves {window} tokens of seqlen={preset.seqlen}: "
-                         f"--prompt-median and --output-median must be below it")
-        if args.prefix_sharing and args.output_median >= preset.seqlen // args.turns:
-            parser.error(f"--output-median must be below seqlen / --turns = {preset.seqlen // args.turns} so that "
-                         "every turn has a message")
+        if args.prefix_sharing:
+            serving.check_sharing_args(args, parser, preset.seqlen)
 
     preset, device, data = iu.setup(args, parser, check_args)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)

@@ -209,3 +209,24 @@ def check_trace_args(args, parser, seqlen):
     for flag, value in [("--prompt-median", args.prompt_median), ("--output-median", args.output_median)]:
         if value >= seqlen:
             parser.error(f"{flag} must be between 1 and seqlen-1={seqlen - 1}, got {value}")
+
+
+def add_sharing_args(parser):
+    """The flags of the prefix-sharing traces (make_shared_prefix_trace, make_multi_turn_trace)."""
+    parser.add_argument("--system-len", type=iu.int_at_least(1), default=64, help="--prefix-sharing: system prompt tokens")
+    parser.add_argument("--turns", type=iu.int_at_least(2), default=4,
+                        help="--prefix-sharing: turns per conversation (conversations: --n-requests / --turns)")
+    parser.add_argument("--think-time", type=iu.positive_float, default=2.0,
+                        help="--prefix-sharing: seconds between a conversation's turns")
+
+
+def check_sharing_args(args, parser, seqlen):
+    window = seqlen - args.system_len  # what the system prompt leaves to a question and its answer
+    if not args.prompt_median < window > args.output_median:
+        parser.error(f"--system-len {args.system_len} leaves {window} tokens of seqlen={seqlen}: --prompt-median "
+                     "and --output-median must be below it")
+    if args.output_median >= seqlen // args.turns:
+        parser.error(f"--output-median must be below seqlen / --turns = {seqlen // args.turns} so that every turn "
+                     "has a message")
+    if args.n_requests < args.turns:
+        parser.error(f"--n-requests must be at least --turns={args.turns} (one conversation)")
