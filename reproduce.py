@@ -423,11 +423,15 @@ def pruning_headline(r):
 def prefix_sharing_headline(r):
     off, on = find(r, "system prompt, no sharing"), find(r, "system prompt, prefix sharing")
     turns_off, turns_on = find(r, "multi-turn, no sharing"), find(r, "multi-turn, prefix sharing")
-    return (f"prefix sharing in the paged engine: {r['system_len']}-token system prompt, {r['turns']}-turn conversations",
+    roomy = find(r, f"multi-turn, {r['roomy_blocks']} blocks, prefix sharing")
+    return (f"prefix sharing in the paged engine: {r['system_len']}-token system prompt, {r['turns']}-turn "
+            "conversations",
             f"p50 TTFT {x(off['ttft_arrival_ms'], on['ttft_arrival_ms'])} lower with shared blocks (hit rate "
-            f"{on['hit_rate']:.0%}, KV blocks in use {off['kv_blocks']:.0f} -> {on['kv_blocks']:.0f}); multi-turn "
-            f"{x(turns_off['ttft_arrival_ms'], turns_on['ttft_arrival_ms'])} (hit rate {turns_on['hit_rate']:.0%}); "
-            "identical tokens")
+            f"{on['hit_rate']:.0%}, peak KV blocks in use {off['kv_blocks_peak']} -> {on['kv_blocks_peak']}); "
+            "multi-turn "
+            f"{x(turns_off['ttft_arrival_ms'], turns_on['ttft_arrival_ms'])} (hit rate {turns_on['hit_rate']:.0%}), "
+            f"{x(turns_off['ttft_arrival_ms'], roomy['ttft_arrival_ms'])} with a pool of {r['roomy_blocks']} blocks "
+            f"(hit rate {roomy['hit_rate']:.0%}); identical tokens")
 
 
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,

@@ -213,7 +213,8 @@ def check_trace_args(args, parser, seqlen):
 
 def add_sharing_args(parser):
     """The flags of the prefix-sharing traces (make_shared_prefix_trace, make_multi_turn_trace)."""
-    parser.add_argument("--system-len", type=iu.int_at_least(1), default=64, help="--prefix-sharing: system prompt tokens")
+    parser.add_argument("--system-len", type=iu.int_at_least(1), default=64,
+                        help="--prefix-sharing: system prompt tokens")
     parser.add_argument("--turns", type=iu.int_at_least(2), default=4,
                         help="--prefix-sharing: turns per conversation (conversations: --n-requests / --turns)")
     parser.add_argument("--think-time", type=iu.positive_float, default=2.0,

@@ -236,7 +236,8 @@ def test_main_continuous_batching_prefix_sharing_end_to_end(real_data, tmp_path,
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["system prompt, no sharing", "system prompt, prefix sharing", "multi-turn, no sharing",
-                          "multi-turn, prefix sharing"]
+                          "multi-turn, prefix sharing", "multi-turn, 64 blocks, prefix sharing"]  # 4 conversations
+    assert result["roomy_blocks"] == 64 and rows["multi-turn, 64 blocks, prefix sharing"]["hit_rate"] > 0
     assert all(r["same"] == "yes" for r in rows.values())
     for trace in ("system prompt", "multi-turn"):
         off, on = rows[f"{trace}, no sharing"], rows[f"{trace}, prefix sharing"]
