@@ -156,12 +156,12 @@ def prefix_sharing_experiment(base, data, args, seqlen, device):
                                                      seed=args.seed, device=device)
     early = lambda clock: {"early": serving.early_turns(clock, previous)}  # noqa: E731
     roomy = argparse.Namespace(**vars(args) | {"n_blocks": previous.count(None) * seqlen // args.block_size})
+    system, turns = [(*t, serving.reference_outputs(cached, t[0], seqlen)) for t in (system, turns)]  # checks first
     rows, lines, early_turns, off = [], [], 0, None
-    for trace, (requests, arrivals), figures, pool, names in (  # roomy: a pool that holds every conversation
+    for trace, (requests, arrivals, reference), figures, pool, names in (  # roomy: a pool for every conversation
             ("system prompt", system, None, args, ("chunked", "shared")),
             ("multi-turn", turns, early, args, ("chunked", "shared")),
             (f"multi-turn, {roomy.n_blocks} blocks", turns, early, roomy, ("shared",))):
-        reference = serving.reference_outputs(cached, requests, seqlen)  # correctness first
         results = run_variants(base, requests, arrivals, args.batch_size, pool, seqlen, device, names=names,
                                clock_figures=figures)
         early_turns = max([early_turns] + [f.get("early", 0) for runs in results.values() for _, f in runs])
@@ -171,18 +171,17 @@ def prefix_sharing_experiment(base, data, args, seqlen, device):
         gain = lambda key, a, b: "-" if iu.ratio(a[key], b[key]) is None else f"{iu.ratio(a[key], b[key]):.2f}x"  # noqa
         lines.append(f"{trace}, without / with prefix sharing: p50 TTFT {gain('ttft_arrival_ms', off, on)}, p99 TTFT "
                      f"{gain('ttft_arrival_p99_ms', off, on)}; with / without: throughput "
-                     f"{gain('tokens_per_s', on, off)}; "
-                     f"peak KV blocks in use {off['kv_blocks_peak']} without, {on['kv_blocks_peak']} with; "
-                     f"hit rate {on['hit_rate']:.0%}")
+                     f"{gain('tokens_per_s', on, off)}; peak KV blocks in use {off['kv_blocks_peak']} without, "
+                     f"{on['kv_blocks_peak']} with; hit rate {on['hit_rate']:.0%}")
     lines.append(f"multi-turn: {early_turns} of {len(previous) - previous.count(None)} later turns arrived before the "
                  f"previous turn's answer ended (think time {args.think_time:g} s; most in any run)")
-    return rows, lines, dict(system_prompt=[len(p) for p, _ in system[0]], multi_turn=[len(p) for p, _ in turns[0]],
-                             roomy_blocks=roomy.n_blocks)
+    return rows, lines, dict(roomy_blocks=roomy.n_blocks, prompt_lens={
+        "system_prompt": [len(p) for p, _ in system[0]], "multi_turn": [len(p) for p, _ in turns[0]]})
 
 
 def run_prefix_sharing(base, data, args, preset, device):
     """--prefix-sharing: the table of prefix sharing, checks before anything is written."""
-    rows, summary, sizes = prefix_sharing_experiment(base, data, args, preset.seqlen, device)
+    rows, summary, extra = prefix_sharing_experiment(base, data, args, preset.seqlen, device)
     print(f"\n{args.n_requests} requests at {args.rate:g}/s after a {args.system_len}-token system prompt; "
           f"{args.n_requests // args.turns} conversations of {args.turns} turns, {args.think_time:g} s apart. Engine: "
           f"chunked prefill {args.chunk_size}, batch size {args.batch_size}, KV blocks of {args.block_size} tokens; "
@@ -195,10 +194,8 @@ def run_prefix_sharing(base, data, args, preset, device):
         raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
     if args.json:
         iu.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
-                     summary=summary, roomy_blocks=sizes.pop("roomy_blocks"), prompt_lens=sizes,
-                     batch_size=args.batch_size,
-                     block_size=args.block_size, system_len=args.system_len, turns=args.turns,
-                     think_time=args.think_time)
+                     summary=summary, batch_size=args.batch_size, block_size=args.block_size,
+                     system_len=args.system_len, turns=args.turns, think_time=args.think_time, **extra)
 
 
 def plot_sweep(sweep, path, preset, device, rate):
