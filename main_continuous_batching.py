@@ -3,6 +3,7 @@
     python main_continuous_batching.py                     # cpu preset on CPU, gptlite on CUDA
     python main_continuous_batching.py --rate 50 --batch-size 8 --plot batching.png --json batching.json
     python main_continuous_batching.py --untrained --n-requests 8
+    python main_continuous_batching.py --prefix-sharing    # a shared system prompt, multi-turn: sharing off / on
 
 Blog section: "Batching / continuous batching" and beyond the post. `continuous_batching` is the post's:
 a request leaves its slot as soon as it is done and a waiting one takes it; the padded batch (no
@@ -18,6 +19,10 @@ the next arrival when the engine is idle; TTFT and TPOT are measured from each r
 throughput is new tokens per second of steps. Every request's tokens must equal generating it alone
 with `generate_kvcache`. KV utilization = tokens held / slots reserved, summed over steps, for the
 paged pool (allocated blocks) and for a contiguous cache that reserves seqlen slots per sequence.
+
+--prefix-sharing runs two other traces through the engine with chunked prefill, without and with
+prefix sharing (vLLM's automatic prefix caching: full KV blocks shared by their chained hash):
+requests after one system prompt, and conversations whose every turn resends the conversation so far.
 """
 import argparse
 from collections import deque
@@ -60,17 +65,19 @@ def continuous_batching(model, requests, batch_size, seqlen, clock=None):
     return sequences, n_steps
 
 
-VARIANTS = ("static", "continuous", "paged", "chunked")  # --variants: the names of run_variants' variants
+VARIANTS = ("static", "continuous", "paged", "chunked", "shared")  # --variants: run_variants' variants
 
 
-def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, memory=False):
-    """Each variant on the trace: {name: [(outputs, figures) per run]}; with `memory`, one more (untimed)
-    run of each variant gives its peak memory, figures["peak_mem_mb"] of every run."""
+def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, memory=False, names=None,
+                 clock_figures=None):
+    """Each variant on the trace (`names`, default --variants): {name: [(outputs, figures) per run]};
+    with `memory`, one more (untimed) run of each variant gives its peak memory, figures["peak_mem_mb"];
+    clock_figures(clock): more figures of a run from its clock."""
     n_blocks = args.n_blocks or batch_size * seqlen // args.block_size  # the memory of a contiguous cache
 
-    def engine(chunk_size):
+    def engine(chunk_size, prefix_sharing=False):
         def serve(requests, clock):
-            eng = PagedEngine(base, n_blocks, args.block_size, batch_size, chunk_size)
+            eng = PagedEngine(base, n_blocks, args.block_size, batch_size, chunk_size, prefix_sharing)
             outputs, _ = eng.generate(requests, seqlen, clock)
             return outputs, dict(kv_cache_mb=eng.runner.nbytes / 2**20, **eng.stats)
         return serve
@@ -80,8 +87,9 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, mem
         "continuous": ("continuous batching", lambda r, c: (continuous_batching(base, r, batch_size, seqlen, c)[0], {})),
         "paged": ("paged, whole prompts", engine(None)),
         "chunked": (f"paged, chunked prefill {args.chunk_size}", engine(args.chunk_size)),
+        "shared": (f"paged, chunked prefill {args.chunk_size}, prefix sharing", engine(args.chunk_size, True)),
     }
-    variants = dict(variants[key] for key in args.variants)  # the subset asked for, in this order
+    variants = dict(variants[key] for key in names or args.variants)  # the subset asked for, in this order
     for serve in variants.values():
         serve(requests[:2], serving.ServingClock.offline(requests[:2], device))  # warm-up
     results = {name: [] for name in variants}
@@ -91,7 +99,8 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, mem
             bar.set_postfix_str(name)
             clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
             outputs, extra = serve(requests, clock)
-            results[name].append((outputs, serving.latency_figures(clock) | extra))
+            more = clock_figures(clock) if clock_figures else {}
+            results[name].append((outputs, serving.latency_figures(clock) | extra | more))
             bar.update()
     bar.close()
     for name, serve in variants.items() if memory else ():
@@ -118,6 +127,75 @@ def make_rows(results, reference):
                                 preempted=figures.get("preemptions"),
                                 same=next((s for s in same if s != "yes"), "yes")))
     return rows
+
+
+def sharing_rows(trace, results, reference):
+    """A row per variant of a prefix-sharing trace: the median of each figure over the repeats."""
+    rows = []
+    for name, runs in results.items():
+        f = serving.median_figures([f for _, f in runs])
+        same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
+        rows.append(iu.make_row(f"{trace}, {'prefix sharing' if name.endswith('sharing') else 'no sharing'}",
+                                **{k: f[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
+                                                     "tpot_p99_ms", "tokens_per_s")},
+                                steps=f["steps"], computed=f["computed_tokens"], hit_rate=round(f["hit_rate"], 3),
+                                kv_blocks=round(f["blocks_used"], 1), kv_blocks_peak=f["blocks_peak"],
+                                evicted=f["evictions"], cow=f["cow_copies"], preempted=f["preemptions"],
+                                same=next((s for s in same if s != "yes"), "yes")))
+    return rows
+
+
+def prefix_sharing_experiment(base, data, args, seqlen, device):
+    """The system-prompt and the multi-turn traces through the engine with chunked prefill, without and
+    with prefix sharing, round-robin. Returns the rows, the summary lines and the traces' sizes."""
+    cached = iu.kv_cache_model(base)
+    system = serving.make_shared_prefix_trace(data.val, args.n_requests, args.rate, seqlen, args.system_len,
+                                              args.prompt_median, args.output_median, seed=args.seed, device=device)
+    *turns, previous = serving.make_multi_turn_trace(cached, data.val, args.n_requests // args.turns, args.turns,
+                                                     args.rate, args.think_time, seqlen, args.output_median,
+                                                     seed=args.seed, device=device)
+    early = lambda clock: {"early": serving.early_turns(clock, previous)}  # noqa: E731
+    roomy = argparse.Namespace(**vars(args) | {"n_blocks": previous.count(None) * seqlen // args.block_size})
+    system, turns = [(*t, serving.reference_outputs(cached, t[0], seqlen)) for t in (system, turns)]  # checks first
+    rows, lines, early_turns, off = [], [], 0, None
+    for trace, (requests, arrivals, reference), figures, pool, names in (  # roomy: a pool for every conversation
+            ("system prompt", system, None, args, ("chunked", "shared")),
+            ("multi-turn", turns, early, args, ("chunked", "shared")),
+            (f"multi-turn, {roomy.n_blocks} blocks", turns, early, roomy, ("shared",))):
+        results = run_variants(base, requests, arrivals, args.batch_size, pool, seqlen, device, names=names,
+                               clock_figures=figures)
+        early_turns = max([early_turns] + [f.get("early", 0) for runs in results.values() for _, f in runs])
+        *maybe_off, on = sharing_rows(trace, results, reference)
+        off = maybe_off[0] if maybe_off else off  # the roomy pool is compared with the default one
+        rows += maybe_off + [on]
+        gain = lambda key, a, b: "-" if iu.ratio(a[key], b[key]) is None else f"{iu.ratio(a[key], b[key]):.2f}x"  # noqa
+        lines.append(f"{trace}, without / with prefix sharing: p50 TTFT {gain('ttft_arrival_ms', off, on)}, p99 TTFT "
+                     f"{gain('ttft_arrival_p99_ms', off, on)}; with / without: throughput "
+                     f"{gain('tokens_per_s', on, off)}; peak KV blocks in use {off['kv_blocks_peak']} without, "
+                     f"{on['kv_blocks_peak']} with; hit rate {on['hit_rate']:.0%}")
+    lines.append(f"multi-turn: {early_turns} of {len(previous) - previous.count(None)} later turns arrived before the "
+                 f"previous turn's answer ended (think time {args.think_time:g} s; most in any run)")
+    return rows, lines, dict(roomy_blocks=roomy.n_blocks, prompt_lens={
+        "system_prompt": [len(p) for p, _ in system[0]], "multi_turn": [len(p) for p, _ in turns[0]]})
+
+
+def run_prefix_sharing(base, data, args, preset, device):
+    """--prefix-sharing: the table of prefix sharing, checks before anything is written."""
+    rows, summary, extra = prefix_sharing_experiment(base, data, args, preset.seqlen, device)
+    print(f"\n{args.n_requests} requests at {args.rate:g}/s after a {args.system_len}-token system prompt; "
+          f"{args.n_requests // args.turns} conversations of {args.turns} turns, {args.think_time:g} s apart. Engine: "
+          f"chunked prefill {args.chunk_size}, batch size {args.batch_size}, KV blocks of {args.block_size} tokens; "
+          f"median of {args.repeats} runs, round-robin. hit_rate: prompt tokens found cached / prompt tokens; "
+          "kv_blocks: blocks held by sequences (a shared one once), mean over steps and peak; cow: copies on write")
+    iu.print_table(rows, untrained=args.untrained)
+    print("\n".join(summary))
+    failures = [r["variant"] for r in rows if r["same"] != "yes"]
+    if failures:
+        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+    if args.json:
+        iu.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
+                     summary=summary, batch_size=args.batch_size, block_size=args.block_size,
+                     system_len=args.system_len, turns=args.turns, think_time=args.think_time, **extra)
 
 
 def plot_sweep(sweep, path, preset, device, rate):
@@ -171,14 +249,22 @@ def parse_args(argv):
     parser.add_argument("--n-blocks", type=at_least(1), default=None,
                         help="KV blocks in the pool (default: batch-size * seqlen / block-size, a contiguous cache's memory)")
     parser.add_argument("--chunk-size", type=at_least(1), default=16, help="prefill tokens per step with chunked prefill")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                        help="the variants to run (default: all): static and continuous batching (the post's, no "
-                             "cache), the paged engine with whole prompts, with chunked prefill")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                        help="the variants to run (default: all but shared): static and continuous batching (the "
+                             "post's, no cache), the paged engine with whole prompts, with chunked prefill, with "
+                             "chunked prefill and prefix sharing")
     parser.add_argument("--plot-batch-sizes", type=at_least(1), nargs="+", default=[2, 4, 8, 16],
                         help="batch sizes of the --plot sweep")
+    parser.add_argument("--prefix-sharing", action="store_true",
+                        help="instead: a trace whose requests share a system prompt and a multi-turn trace, each "
+                             "through the engine with chunked prefill, without and with prefix sharing")
+    serving.add_sharing_args(parser)
     args = parser.parse_args(argv)
-    if len(set(args.variants)) != len(args.variants):
+    if args.variants is not None and len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants repeats a name: {args.variants}")
+    if args.prefix_sharing and (args.variants is not None or args.plot):
+        parser.error("--prefix-sharing runs its own two variants and has no plot: drop --variants and --plot")
+    args.variants = args.variants or list(VARIANTS[:4])
     return parser, args
 
 
@@ -193,9 +279,13 @@ def main(argv=None):
             need = -(-(preset.seqlen - 1) // args.block_size)
             parser.error(f"--n-blocks {args.n_blocks} of {args.block_size} tokens cannot hold one request of the "
                          f"window seqlen={preset.seqlen}: give at least {need} blocks")
+        if args.prefix_sharing:
+            serving.check_sharing_args(args, parser, preset.seqlen)
 
     preset, device, data = iu.setup(args, parser, check_args)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
+    if args.prefix_sharing:
+        return run_prefix_sharing(base, data, args, preset, device)
     seqlen = preset.seqlen
     requests, arrivals = serving.make_trace(data.val, args.n_requests, args.rate, seqlen, args.prompt_median,
                                             args.output_median, seed=args.seed, device=device)

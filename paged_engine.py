@@ -3,65 +3,174 @@
 Blog section: "Batching / beyond the post: what serving engines do". Four small classes:
 - `BlockManager`: a pool of fixed-size physical KV blocks and a block table per sequence; blocks are
   allocated on demand as a sequence grows and freed when it finishes (vLLM's PagedAttention paper).
+  Prefix sharing (on by default; vLLM's automatic prefix caching): every full block whose keys and
+  values are computed is cached under the parent-chained hash of prefix_cache.py, and a sequence
+  admitted later with the same first tokens shares those blocks, read-only and reference-counted,
+  instead of computing them again. Cached blocks outlive their sequences and are evicted least
+  recently used when the pool needs room. Only full blocks are shared and a sequence writes only
+  after its computed tokens, so the one write into a shared block would be the recompute of the
+  last token of a sequence whose tokens are all cached (its logits are needed): that block is
+  copied first (copy-on-write).
 - `Scheduler`: which tokens of which sequences run in the next step. Running sequences go first, one
   decode token each; prompts are prefilled in chunks of at most `chunk_size` tokens per step, in the
   same step as the decodes (Sarathi-Serve; None: whole prompts). A waiting sequence is admitted when a
   batch slot and the blocks for its tokens are free. When a running sequence needs a block and the
   pool is empty, the most recently admitted sequence is preempted: its blocks are freed and it goes
-  back to the front of the queue, to be recomputed (prompt + tokens so far) when it is readmitted.
+  back to the front of the queue, to be recomputed (prompt + tokens so far) when it is readmitted;
+  with prefix sharing, its full blocks still cached are shared again instead.
 - `ModelRunner`: runs GPTlite's own modules and weights over the packed tokens of a step; attention
   writes the new keys and values into the pool, gathers each sequence's keys and values through its
   block table, then attends (PagedAttention's idea, written as a gather in PyTorch).
 - `PagedEngine`: the loop: arrivals in, schedule, run, append the new tokens, free finished sequences.
 
 Greedy decoding is deterministic, so every request gets exactly the tokens of generating it alone,
-however its prompt was chunked and however often it was preempted.
+however its prompt was chunked, however often it was preempted, and whichever blocks it shared.
 """
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
 
 import serving
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache
+from prefix_cache import block_key, chain_keys
 
 
 class BlockManager:
     """Physical blocks 0..n_blocks-1 of `block_size` token slots; token t of a sequence lives in slot
-    block_table[t // block_size] * block_size + t % block_size."""
+    block_table[t // block_size] * block_size + t % block_size.
 
-    def __init__(self, n_blocks, block_size):
+    With `prefix_sharing` (vLLM's automatic prefix caching), every full block whose keys and values are
+    computed is cached under the parent-chained hash of prefix_cache.py (`block_key`: it names the
+    whole prefix up to the block). A sequence admitted later shares the blocks of its longest cached
+    prefix: one physical block, a reference count, read-only. A block whose count falls to zero stays
+    cached ("evictable") and is reused for a new block, least recently used first, only when no free
+    block is left. n_free counts both: the blocks a sequence can be given."""
+
+    def __init__(self, n_blocks, block_size, prefix_sharing=True):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"a block pool needs n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
-        self.n_blocks, self.block_size = n_blocks, block_size
-        self.free_blocks = deque(range(n_blocks))
+        self.n_blocks, self.block_size, self.prefix_sharing = n_blocks, block_size, prefix_sharing
+        self.free_blocks = deque(range(n_blocks))  # empty blocks: nothing cached in them
         self.block_tables = {}  # sequence id -> [physical block ids]
+        self.ref_counts = [0] * n_blocks  # sequences whose table holds the block
+        self.cached = {}  # chained hash -> block id
+        self.block_hash = {}  # block id -> (its hash, its parent's hash, its tokens): checked on a match
+        self.evictable = OrderedDict()  # cached blocks no sequence holds, least recently used first
+        self.chains = {}  # sequence id -> hashes of its computed full blocks, from the first
+        self.copies = []  # (source, destination) blocks to copy before the next step writes (copy-on-write)
+        self.n_evictions = self.n_copies = 0
 
     def blocks_for(self, n_tokens):
         return -(-n_tokens // self.block_size)  # ceil
 
     @property
     def n_free(self):
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
-    def n_used(self):
-        return self.n_blocks - len(self.free_blocks)
+    def n_used(self):  # blocks held by sequences (a shared block counts once)
+        return self.n_blocks - self.n_free
 
     def can_grow(self, seq_id, n_tokens):
         """Could the sequence hold `n_tokens` tokens with the free blocks?"""
         return self.blocks_for(n_tokens) - len(self.block_tables.get(seq_id, ())) <= self.n_free
+
+    def _allocate(self):
+        """An empty block if there is one, else the least recently used evictable one, uncached."""
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self._uncache(block)
+            self.n_evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def _uncache(self, block):
+        del self.cached[self.block_hash.pop(block)[0]]
+
+    def _release(self, block):
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0 and block in self.block_hash:
+            self.evictable[block] = None  # kept for a later match, as the most recently used
+        elif self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
 
     def grow(self, seq_id, n_tokens):
         """Allocate blocks on demand so that the sequence's table holds `n_tokens` tokens."""
         if not self.can_grow(seq_id, n_tokens):
             raise RuntimeError(f"sequence {seq_id} needs more blocks than the {self.n_free} free; check can_grow first")
         table = self.block_tables.setdefault(seq_id, [])
-        table.extend(self.free_blocks.popleft() for _ in range(self.blocks_for(n_tokens) - len(table)))
+        table.extend(self._allocate() for _ in range(self.blocks_for(n_tokens) - len(table)))
 
     def free(self, seq_id):
-        self.free_blocks.extend(self.block_tables.pop(seq_id, ()))
+        for block in reversed(self.block_tables.pop(seq_id, ())):  # the first block is released last: a
+            self._release(block)  # prefix outlives its continuations in the LRU order
+        self.chains.pop(seq_id, None)
 
+    # -- prefix sharing ------------------------------------------------------------------------------
+    def match(self, tokens):
+        """The cached blocks of the longest prefix of `tokens` (a list of ints) in full blocks."""
+        blocks, parent, bs = [], None, self.block_size
+        for i, key in enumerate(chain_keys(tokens, bs) if self.prefix_sharing else ()):
+            block = self.cached.get(key)
+            if block is None or self.block_hash[block] != (key, parent, tuple(tokens[i * bs:(i + 1) * bs])):
+                break  # the first miss ends the walk (a hash collision is a miss)
+            blocks.append(block)
+            parent = key
+        return blocks
+
+    def admit(self, seq_id, tokens):
+        """Start the table of a sequence (new, or readmitted after preemption) whose tokens so far are
+        `tokens`: it shares the blocks of its longest cached prefix. Returns how many of its tokens
+        have their keys and values in its blocks already (at most all but the last, which is computed
+        for its logits), or None, doing nothing, when the free blocks cannot hold all its tokens."""
+        hit = self.match(tokens)
+        n_cached = min(len(hit) * self.block_size, len(tokens) - 1)
+        rewrite = n_cached < len(hit) * self.block_size  # its last token is in a shared block
+        copy = rewrite and self.ref_counts[hit[-1]] > 0  # ... held by another sequence: a copy needs a block
+        taken = sum(self.ref_counts[b] == 0 for b in hit)  # evictable blocks the hit takes out of the free ones
+        if self.blocks_for(len(tokens)) - len(hit) + copy > self.n_free - taken:
+            return None
+        for block in hit:
+            self.ref_counts[block] += 1
+            self.evictable.pop(block, None)
+        self.block_tables[seq_id] = list(hit)
+        self.chains[seq_id] = [self.block_hash[b][0] for b in hit]
+        if rewrite:
+            self.copy_on_write(seq_id, n_cached)
+        return n_cached
+
+    def copy_on_write(self, seq_id, position):
+        """Make the block that holds `position` the sequence's own before it writes there: a block
+        another sequence holds is copied (the copy is made by the runner before the next step
+        writes anything); a cached block only this sequence holds is uncached (cached again once full)."""
+        index, table = position // self.block_size, self.block_tables[seq_id]
+        block = table[index]
+        if self.ref_counts[block] > 1:
+            table[index] = self._allocate()
+            self.copies.append((block, table[index]))
+            self._release(block)
+            self.n_copies += 1
+        elif block in self.block_hash:
+            self._uncache(block)
+        del self.chains[seq_id][index:]  # the block's hash is recorded again once it is computed
+
+    def cache(self, seq_id, tokens, n_computed):
+        """Cache the sequence's full blocks among its first `n_computed` tokens (keys and values
+        computed) that are not cached yet. A block whose hash another block holds stays private."""
+        if not self.prefix_sharing:
+            return
+        chain, table, bs = self.chains.setdefault(seq_id, []), self.block_tables[seq_id], self.block_size
+        for i in range(len(chain), n_computed // bs):
+            parent, block_tokens = chain[-1] if chain else None, tuple(tokens[i * bs:(i + 1) * bs])
+            chain.append(block_key(parent, block_tokens))
+            if chain[-1] not in self.cached:
+                self.cached[chain[-1]] = table[i]
+                self.block_hash[table[i]] = (chain[-1], parent, block_tokens)
+
+    # -- slots and checks ------------------------------------------------------------------------------
     def slots(self, seq_id, start, stop):
         """Physical slots of the sequence's tokens start..stop-1, a list of ints."""
         table, size = self.block_tables[seq_id], self.block_size
@@ -73,18 +182,35 @@ class BlockManager:
         return sum(tokens_held.values()) / reserved if reserved else 1.0
 
     def check_invariants(self, tokens_held=None):
-        """Every block is free or owned by exactly one sequence; tables hold no more blocks than needed."""
-        owned = [b for table in self.block_tables.values() for b in table]
-        if len(set(owned)) != len(owned):
-            raise RuntimeError("a block has two owners")
-        if len(set(self.free_blocks)) != len(self.free_blocks) or set(owned) & set(self.free_blocks):
+        """Every block is free, evictable (cached, held by no sequence) or held; its reference count is
+        the number of tables that hold it; a block in two tables is a cached one (shared read-only);
+        tables hold no more blocks than needed."""
+        held = Counter(b for table in self.block_tables.values() for b in table)
+        if any(n > 1 and b not in self.block_hash for b, n in held.items()):
+            raise RuntimeError("a block has two owners and is not a cached block")
+        if any(self.ref_counts[b] != held.get(b, 0) for b in range(self.n_blocks)):
+            raise RuntimeError("a reference count differs from the number of tables that hold the block")
+        free, evictable = list(self.free_blocks), list(self.evictable)
+        if len(set(free)) != len(free) or (set(free) | set(evictable)) & set(held) or set(free) & set(evictable):
             raise RuntimeError("a block is free twice, or free and owned")
-        if sorted(owned + list(self.free_blocks)) != list(range(self.n_blocks)):
+        if sorted(list(held) + free + evictable) != list(range(self.n_blocks)):
             raise RuntimeError("a block was lost or invented")
+        if any(b not in self.block_hash for b in evictable) or any(b in self.block_hash for b in free):
+            raise RuntimeError("an evictable block is not cached, or an empty one is")
+        if len(self.cached) != len(self.block_hash) or any(self.cached.get(key) != b
+                                                           for b, (key, _, _) in self.block_hash.items()):
+            raise RuntimeError("the hash table and the blocks' hashes disagree")
         for seq_id, n in (tokens_held or {}).items():
             if len(self.block_tables.get(seq_id, ())) != self.blocks_for(n):
                 raise RuntimeError(f"sequence {seq_id} holds {len(self.block_tables.get(seq_id, ()))} blocks "
                                    f"for {n} tokens")
+
+    def check_writable(self, seq_id, start, stop):
+        """The blocks the sequence writes tokens start..stop-1 into are its own and not cached."""
+        for index in range(start // self.block_size, self.blocks_for(stop)):
+            block = self.block_tables[seq_id][index]
+            if self.ref_counts[block] != 1 or block in self.block_hash:
+                raise RuntimeError(f"sequence {seq_id} would write into block {block}, shared or cached")
 
 
 @dataclass(eq=False)  # sequences compare by identity
@@ -117,6 +243,7 @@ class Scheduler:
         self.block_manager, self.max_seqs, self.chunk_size = block_manager, max_seqs, chunk_size
         self.waiting, self.running = deque(), []  # running: oldest admitted first
         self.n_preemptions = 0
+        self.n_admitted_tokens = self.n_cached_tokens = 0  # tokens of admitted sequences; of them, cached
 
     def add(self, seq):
         self.waiting.append(seq)
@@ -153,10 +280,14 @@ class Scheduler:
                 budget -= n if prefill else 0
         while self.waiting and len(self.running) < self.max_seqs and budget > 0:
             seq = self.waiting[0]
-            if bm.blocks_for(seq.n_to_compute) > bm.n_free:  # admission by free blocks
+            n_cached = bm.admit(seq.seq_id, seq.tokens)  # shares its cached prefix's blocks
+            if n_cached is None:  # admission by free blocks: all its tokens must fit
                 break
+            seq.n_computed = n_cached
+            self.n_cached_tokens += n_cached
+            self.n_admitted_tokens += len(seq.tokens)
             n = min(seq.n_to_compute, budget)
-            bm.grow(seq.seq_id, n)
+            bm.grow(seq.seq_id, seq.n_computed + n)
             self.running.append(self.waiting.popleft())
             batch.append((seq, n))
             budget -= n
@@ -168,6 +299,7 @@ class Scheduler:
         got_token = []
         for (seq, n), token in zip(batch, next_tokens):
             seq.n_computed += n
+            self.block_manager.cache(seq.seq_id, seq.tokens, seq.n_computed)  # its newly full blocks
             if seq.n_computed == len(seq.tokens):
                 seq.output.append(token)
                 got_token.append(seq)
@@ -241,9 +373,21 @@ class ModelRunner:
         out = out.transpose(1, 2)[step.query_rows, step.query_cols]  # pack: [T_new, H, D]
         return mha.out_proj(out.reshape(-1, H * D))  # [T_new, d_model]
 
+    def copy_blocks(self, block_manager):
+        """Copy-on-write: the blocks the scheduler copied since the last step, copied before anything writes."""
+        if block_manager.copies:
+            bs, device = block_manager.block_size, self.k_pool.device
+            slots = lambda blocks: (torch.tensor(blocks, device=device)[:, None] * bs  # noqa: E731
+                                    + torch.arange(bs, device=device)).flatten()
+            src, dst = (slots(blocks) for blocks in zip(*block_manager.copies))  # [n_copies * bs] each
+            self.k_pool[:, dst] = self.k_pool[:, src]  # [L, n * bs, H, D]
+            self.v_pool[:, dst] = self.v_pool[:, src]
+            block_manager.copies.clear()
+
     @torch.inference_mode()
     def run(self, batch, block_manager):
         """Compute the batch's new tokens; returns the greedy next token after each sequence's chunk, [N]."""
+        self.copy_blocks(block_manager)
         step, model = self.prepare(batch, block_manager), self.model
         x = model.token_embedding(step.tokens) + model.position_embedding(step.positions)  # [T_new, d_model]
         for layer, block in enumerate(model.blocks):
@@ -256,9 +400,9 @@ class ModelRunner:
 class PagedEngine:
     """The scheduler, the block manager and the model runner in one loop."""
 
-    def __init__(self, model, n_blocks, block_size, max_seqs, chunk_size=None):
+    def __init__(self, model, n_blocks, block_size, max_seqs, chunk_size=None, prefix_sharing=True):
         self.model = model
-        self.block_manager = BlockManager(n_blocks, block_size)
+        self.block_manager = BlockManager(n_blocks, block_size, prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, max_seqs, chunk_size)
         self.runner = ModelRunner(model, n_blocks, block_size)
         self.check_invariants = False  # tests turn it on: the block manager is checked after every step
@@ -283,8 +427,10 @@ class PagedEngine:
         clock = clock or serving.ServingClock.offline(requests, self.runner.k_pool.device)
         seqs = [Sequence(i, prompt.tolist(), n) for i, (prompt, n) in enumerate(requests)]
         pending = deque(sorted(seqs, key=lambda s: clock.arrivals[s.seq_id]))
-        held = reserved_paged = reserved_contiguous = 0
-        preemptions_before, n_steps = self.scheduler.n_preemptions, 0
+        held = reserved_paged = reserved_contiguous = computed = blocks_used = blocks_peak = 0
+        sched, bm = self.scheduler, self.block_manager
+        before = (sched.n_preemptions, sched.n_admitted_tokens, sched.n_cached_tokens, bm.n_evictions, bm.n_copies)
+        n_steps = 0
         while pending or self.scheduler.waiting or self.scheduler.running:
             while pending and clock.arrived(pending[0].seq_id):
                 self.scheduler.add(pending.popleft())
@@ -299,8 +445,12 @@ class PagedEngine:
                 # contiguous cache that reserves seqlen slots per running sequence
                 scheduled = {seq.seq_id: n for seq, n in batch}
                 held += sum(s.n_computed + scheduled.get(s.seq_id, 0) for s in self.scheduler.running)
-                reserved_paged += self.block_manager.n_used * self.block_manager.block_size
+                reserved_paged += bm.n_used * bm.block_size
                 reserved_contiguous += len(self.scheduler.running) * seqlen
+                computed += sum(scheduled.values())
+                blocks_used, blocks_peak = blocks_used + bm.n_used, max(blocks_peak, bm.n_used)
+                for seq, n in batch if self.check_invariants else ():
+                    bm.check_writable(seq.seq_id, seq.n_computed, seq.n_computed + n)
                 next_tokens = self.runner.run(batch, self.block_manager).tolist()
                 got_token = self.scheduler.update(batch, next_tokens)
             if self.check_invariants:
@@ -308,8 +458,14 @@ class PagedEngine:
             for seq in got_token:
                 clock.token(seq.seq_id, len(seq.output))
             n_steps += 1
+        preemptions, admitted, cached, evictions, copies = (
+            now - then for now, then in zip((sched.n_preemptions, sched.n_admitted_tokens, sched.n_cached_tokens,
+                                             bm.n_evictions, bm.n_copies), before))
+        # kv_util counts a shared block's tokens once per sequence that holds it: above 1 with sharing
         self.stats = dict(kv_util=held / reserved_paged, kv_util_contiguous=held / reserved_contiguous,
-                          preemptions=self.scheduler.n_preemptions - preemptions_before,
-                          token_steps=held, paged_slot_steps=reserved_paged, contiguous_slot_steps=reserved_contiguous)
+                          preemptions=preemptions, token_steps=held, paged_slot_steps=reserved_paged,
+                          contiguous_slot_steps=reserved_contiguous, computed_tokens=computed,
+                          blocks_used=blocks_used / n_steps, blocks_peak=blocks_peak, hit_rate=cached / admitted,
+                          cached_tokens=cached, evictions=evictions, cow_copies=copies)
         outputs = [torch.tensor(seq.tokens, dtype=torch.long, device=requests[0][0].device) for seq in seqs]
         return outputs, n_steps

@@ -14,7 +14,8 @@ Blog section: "Prefix caching". Two levels:
    its parent block's hash. The key of block i therefore names the whole prefix tokens[:16 * (i+1)],
    a lookup walks from the first block and stops at the first miss, and no tree has to be kept: one
    different early token changes every later key. A radix tree shares partial blocks too, at the
-   price of splitting nodes; fixed blocks are also the unit a paged KV cache allocates.
+   price of splitting nodes; fixed blocks are also the unit a paged KV cache allocates: the paged
+   engine (paged_engine.BlockManager) keys the blocks its sequences share with the same `block_key`.
 
 Positions are absolute in GPTlite, so a block is only valid at the place it was computed: the chain
 from the first block encodes that place. The keys and values of token t are exactly those a prefill

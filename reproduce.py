@@ -93,6 +93,8 @@ RUNS = [
         "validation loss against KV budget per method, and streaming loss per 500 characters",
         quick=("--n-windows", "2", "--n-prompts", "2", "--n-tokens", "16", "--stream-chars", "1000",
                "--time-tokens", "16", "--repeats", "1")),
+    Run("main_continuous_batching_prefix_sharing", "main_continuous_batching.py", "docs/batching.md",
+        args=("--prefix-sharing",), quick=("--n-requests", "8", "--repeats", "1", "--turns", "2")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -486,6 +488,20 @@ def sparse_headline(r):
             f"the post's clamped cache {worst('clamp')} against re-encoding {worst('GPTlite: re-encode')}")
 
 
+def prefix_sharing_headline(r):
+    off, on = find(r, "system prompt, no sharing"), find(r, "system prompt, prefix sharing")
+    turns_off, turns_on = find(r, "multi-turn, no sharing"), find(r, "multi-turn, prefix sharing")
+    roomy = find(r, f"multi-turn, {r['roomy_blocks']} blocks, prefix sharing")
+    return (f"prefix sharing in the paged engine: {r['system_len']}-token system prompt, {r['turns']}-turn "
+            "conversations",
+            f"p50 TTFT {x(off['ttft_arrival_ms'], on['ttft_arrival_ms'])} lower with shared blocks (hit rate "
+            f"{on['hit_rate']:.0%}, peak KV blocks in use {off['kv_blocks_peak']} -> {on['kv_blocks_peak']}); "
+            "multi-turn "
+            f"{x(turns_off['ttft_arrival_ms'], turns_on['ttft_arrival_ms'])} (hit rate {turns_on['hit_rate']:.0%}), "
+            f"{x(turns_off['ttft_arrival_ms'], roomy['ttft_arrival_ms'])} with a pool of {r['roomy_blocks']} blocks "
+            f"(hit rate {roomy['hit_rate']:.0%}); identical tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
@@ -495,7 +511,8 @@ HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headl
              "main_structured_decoding": structured_headline,
              "main_flash_decoding": flash_decoding_headline, "main_sage_attention": sage_headline,
              "main_moba": moba_headline,
-             "main_sparse_attention": sparse_headline}
+             "main_sparse_attention": sparse_headline,
+             "main_continuous_batching_prefix_sharing": prefix_sharing_headline}
 
 
 def summary_block(results):

@@ -68,6 +68,55 @@ def make_trace(source, n_requests, rate, seqlen, prompt_median, output_median, s
     return requests, [float(a) for a in arrivals]
 
 
+def make_shared_prefix_trace(source, n_requests, rate, seqlen, system_len, prompt_median, output_median, seed=0,
+                             device="cpu"):
+    """make_trace's requests, each after the same system prompt: `system_len` tokens of `source` at a
+    seeded place. The questions and outputs are drawn in the window left after it (seqlen - system_len).
+    Returns (requests, arrivals) as make_trace does."""
+    if not 1 <= system_len < seqlen - 1:
+        raise ValueError(f"the system prompt needs 1 to seqlen-2={seqlen - 2} tokens, got {system_len}")
+    requests, arrivals = make_trace(source, n_requests, rate, seqlen - system_len, prompt_median, output_median,
+                                    seed=seed, device=device)
+    start = int(np.random.default_rng(seed + 1).integers(0, len(source) - system_len))
+    system = source[start:start + system_len].to(device)
+    return [(torch.cat([system, question]), n) for question, n in requests], arrivals
+
+
+def make_multi_turn_trace(cached_model, source, n_conversations, n_turns, rate, think_time, seqlen, output_len,
+                          seed=0, device="cpu"):
+    """Conversations of n_turns turns. A turn's prompt is the previous turn's prompt and answer (generated
+    greedily by `cached_model` with generate_kvcache, the tokens every engine must return) followed
+    by a new message, a window of `source`; each turn asks for output_len tokens, and its message
+    fills the rest of its share of the window (seqlen // n_turns). Conversations start with Poisson
+    arrivals at `rate`; each turn arrives think_time seconds after the previous one.
+    Returns (requests, arrivals, previous) in arrival order; previous[i]: the index of request i's
+    previous turn (None for a first turn)."""
+    message_len = seqlen // n_turns - output_len
+    if n_conversations < 1 or n_turns < 1 or output_len < 1 or message_len < 1 or not rate > 0 or not think_time > 0:
+        raise ValueError(f"a multi-turn trace needs conversations, turns and output_len >= 1, output_len below "
+                         f"seqlen // n_turns = {seqlen // n_turns}, rate and think_time > 0; got {n_conversations}, "
+                         f"{n_turns}, {output_len}, {rate}, {think_time}")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0, n_conversations) / rate
+    starts = np.cumsum(gaps) - gaps[0]
+    offsets = rng.integers(0, len(source) - message_len, (n_turns, n_conversations))
+    turns, contexts = [], [source[:0].to(device)] * n_conversations  # contexts: each conversation so far
+    for turn in range(n_turns):
+        prompts = [torch.cat([c, source[o:o + message_len].to(device)]) for c, o in zip(contexts, offsets[turn])]
+        contexts = reference_outputs(cached_model, [(p, output_len) for p in prompts], seqlen)  # prompt + answer
+        turns += [(float(s) + turn * think_time, turn, c, p) for c, (s, p) in enumerate(zip(starts, prompts))]
+    turns.sort(key=lambda t: t[0])  # stable: a tie keeps turn order
+    index = {(turn, c): i for i, (_, turn, c, _) in enumerate(turns)}
+    return ([(p, output_len) for *_, p in turns], [a for a, *_ in turns],
+            [index[(turn - 1, c)] if turn else None for _, turn, c, _ in turns])
+
+
+def early_turns(clock, previous):
+    """Turns of a multi-turn trace that arrived before the previous turn's answer ended on `clock`
+    (arrivals are fixed in advance: a think time too short for the engine shows here)."""
+    return sum(clock.last[j] > clock.arrivals[i] for i, j in enumerate(previous) if j is not None)
+
+
 class ServingClock:
     """The engine's clock (see the module docstring): measured step times plus skipped idle gaps."""
 
@@ -160,3 +209,25 @@ def check_trace_args(args, parser, seqlen):
     for flag, value in [("--prompt-median", args.prompt_median), ("--output-median", args.output_median)]:
         if value >= seqlen:
             parser.error(f"{flag} must be between 1 and seqlen-1={seqlen - 1}, got {value}")
+
+
+def add_sharing_args(parser):
+    """The flags of the prefix-sharing traces (make_shared_prefix_trace, make_multi_turn_trace)."""
+    parser.add_argument("--system-len", type=iu.int_at_least(1), default=64,
+                        help="--prefix-sharing: system prompt tokens")
+    parser.add_argument("--turns", type=iu.int_at_least(2), default=4,
+                        help="--prefix-sharing: turns per conversation (conversations: --n-requests / --turns)")
+    parser.add_argument("--think-time", type=iu.positive_float, default=2.0,
+                        help="--prefix-sharing: seconds between a conversation's turns")
+
+
+def check_sharing_args(args, parser, seqlen):
+    window = seqlen - args.system_len  # what the system prompt leaves to a question and its answer
+    if not args.prompt_median < window > args.output_median:
+        parser.error(f"--system-len {args.system_len} leaves {window} tokens of seqlen={seqlen}: --prompt-median "
+                     "and --output-median must be below it")
+    if args.output_median >= seqlen // args.turns:
+        parser.error(f"--output-median must be below seqlen / --turns = {seqlen // args.turns} so that every turn "
+                     "has a message")
+    if args.n_requests < args.turns:
+        parser.error(f"--n-requests must be at least --turns={args.turns} (one conversation)")

@@ -124,6 +124,45 @@ def test_trace_is_seeded_long_tailed_and_fits_the_window():
     assert at_once == [0.0] * 5
 
 
+def test_shared_prefix_trace_puts_one_system_prompt_before_every_question():
+    source = torch.arange(1000) % 65
+    requests, arrivals = serving.make_shared_prefix_trace(source, 50, 50.0, 128, 64, 16, 8, seed=3)
+    again, _ = serving.make_shared_prefix_trace(source, 50, 50.0, 128, 64, 16, 8, seed=3)
+    system = requests[0][0][:64]
+    assert all(torch.equal(p[:64], system) and len(p) > 64 and len(p) + n <= 128 for p, n in requests)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(requests, again))
+    assert len({tuple(p[64:].tolist()) for p, _ in requests}) > 40  # the questions differ
+    assert arrivals == serving.make_trace(source, 50, 50.0, 64, 16, 8, seed=3)[1]
+    with pytest.raises(ValueError, match="system prompt needs"):
+        serving.make_shared_prefix_trace(source, 5, 50.0, 128, 127, 16, 8)
+
+
+def test_multi_turn_trace_resends_each_conversation_with_its_answers(tiny_models):
+    _, cached = tiny_models
+    source = torch.arange(500) % 65
+    requests, arrivals, previous = serving.make_multi_turn_trace(cached, source, 3, 3, 20.0, 1.0, SEQLEN, 2, seed=1)
+    assert len(requests) == 9 and arrivals == sorted(arrivals) and previous.count(None) == 3
+    for i, j in enumerate(previous):
+        prompt, n = requests[i]
+        assert n == 2 and len(prompt) + n <= SEQLEN
+        if j is None:
+            assert len(prompt) == SEQLEN // 3 - 2  # the first message only
+            continue
+        answered = generate_kvcache(cached, requests[j][0][None], 2, SEQLEN)[0]  # previous prompt + its answer
+        assert torch.equal(prompt[:len(answered)], answered) and len(prompt) == len(answered) + SEQLEN // 3 - 2
+        assert arrivals[i] == pytest.approx(arrivals[j] + 1.0)
+    with pytest.raises(ValueError, match="output_len below seqlen // n_turns"):
+        serving.make_multi_turn_trace(cached, source, 3, 4, 20.0, 1.0, SEQLEN, 4)
+    with pytest.raises(ValueError, match="think_time > 0"):
+        serving.make_multi_turn_trace(cached, source, 3, 2, 20.0, 0.0, SEQLEN, 2)
+
+
+def test_early_turns_counts_turns_that_came_before_the_previous_answer_ended():
+    clock = serving.ServingClock([0.0, 1.0, 2.0], [1, 1, 1])
+    clock.last = [1.5, 1.8, 2.5]  # request 1 arrived (1.0) before request 0 ended (1.5); 2 after 1 ended
+    assert serving.early_turns(clock, [None, 0, 1]) == 1
+
+
 @pytest.mark.parametrize("fn", [static_batching, continuous_batching])
 def test_bad_requests_are_clear_errors_before_any_work(tiny_models, fn, monkeypatch):
     base, _ = tiny_models
@@ -189,6 +228,23 @@ def test_main_continuous_batching_runs_only_the_variants_asked_for(real_data, tm
     assert "TTFT arrival ms" in header and "TTFT ms" not in header  # from arrival, not one generation's TTFT
 
 
+def test_main_continuous_batching_prefix_sharing_end_to_end(real_data, tmp_path, capsys):
+    out_json = tmp_path / "p.json"
+    main_continuous_batching.main(TINY_TRACE + ["--n-requests", "8", "--repeats", "1", "--batch-size", "2",
+                                                "--prefix-sharing", "--turns", "2", "--json", str(out_json)])
+    assert "system prompt, without / with prefix sharing: p50 TTFT" in capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["system prompt, no sharing", "system prompt, prefix sharing", "multi-turn, no sharing",
+                          "multi-turn, prefix sharing", "multi-turn, 64 blocks, prefix sharing"]  # 4 conversations
+    assert result["roomy_blocks"] == 64 and rows["multi-turn, 64 blocks, prefix sharing"]["hit_rate"] > 0
+    assert all(r["same"] == "yes" for r in rows.values())
+    for trace in ("system prompt", "multi-turn"):
+        off, on = rows[f"{trace}, no sharing"], rows[f"{trace}, prefix sharing"]
+        assert off["hit_rate"] == 0 < on["hit_rate"] and on["computed"] < off["computed"]
+    assert result["system_len"] == 64 and all(n > 64 for n in result["prompt_lens"]["system_prompt"])
+
+
 @pytest.mark.parametrize("script, flags", [
     (main_static_batching, ["--batch-sizes", "0"]), (main_static_batching, ["--batch-sizes", "2", "2"]),
     (main_static_batching, ["--n-requests", "0"]), (main_static_batching, ["--rate", "5"]),
@@ -199,7 +255,14 @@ def test_main_continuous_batching_runs_only_the_variants_asked_for(real_data, tm
     (main_continuous_batching, ["--prompt-median", "128"]), (main_continuous_batching, ["--output-median", "0"]),
     (main_continuous_batching, ["--plot-batch-sizes", "0"]), (main_continuous_batching, ["--bogus"]),
     (main_continuous_batching, ["--plot", "out.txt"]), (main_continuous_batching, ["--variants", "fast"]),
-    (main_continuous_batching, ["--variants", "paged", "paged"])])
+    (main_continuous_batching, ["--variants", "paged", "paged"]),
+    (main_continuous_batching, ["--prefix-sharing", "--variants", "paged"]),
+    (main_continuous_batching, ["--prefix-sharing", "--plot", "p.png"]),
+    (main_continuous_batching, ["--prefix-sharing", "--n-requests", "3"]),
+    (main_continuous_batching, ["--prefix-sharing", "--system-len", "100", "--prompt-median", "28"]),
+    (main_continuous_batching, ["--prefix-sharing", "--output-median", "32"]),
+    (main_continuous_batching, ["--turns", "1"]), (main_continuous_batching, ["--think-time", "0"]),
+    (main_continuous_batching, ["--system-len", "0"])])
 def test_bad_flags_are_clear_errors_before_any_work(script, flags, capsys, monkeypatch):
     monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:

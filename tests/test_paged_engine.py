@@ -1,5 +1,6 @@
-"""The paged engine: block manager invariants and utilization, chunked prefill, preemption, and every
-request's tokens against generating it alone."""
+"""The paged engine: block manager invariants and utilization, chunked prefill, preemption, shared prefix
+blocks (reference counts, LRU eviction, copy-on-write), and every request's tokens against generating
+it alone."""
 import pytest
 import torch
 
@@ -7,6 +8,7 @@ import paged_engine
 import serving
 from conftest import TINY
 from paged_engine import BlockManager, PagedEngine, Scheduler, Sequence
+from prefix_cache import chain_keys
 from test_batching import SEQLEN, assert_same, one_at_a_time, random_requests
 
 
@@ -52,8 +54,8 @@ def test_invariant_checks_catch_a_shared_lost_or_oversized_block():
         bm.check_invariants({"a": 1})
 
 
-def engine(tiny_models, n_blocks=64, block_size=4, max_seqs=3, chunk_size=None):
-    eng = PagedEngine(tiny_models[0], n_blocks, block_size, max_seqs, chunk_size)
+def engine(tiny_models, n_blocks=64, block_size=4, max_seqs=3, chunk_size=None, prefix_sharing=True):
+    eng = PagedEngine(tiny_models[0], n_blocks, block_size, max_seqs, chunk_size, prefix_sharing)
     eng.check_invariants = True  # the block manager is checked after every step
     return eng
 
@@ -152,3 +154,215 @@ def test_bad_input_is_a_clear_error_before_any_work(tiny_models, monkeypatch):
         with pytest.raises(ValueError):
             engine(tiny_models, **kwargs)
     assert TINY["seqlen"] == SEQLEN
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared prefix blocks.
+
+def computed(bm, seq_id, tokens):
+    """What the scheduler does for a sequence whose tokens are all computed: grow, then cache."""
+    bm.grow(seq_id, len(tokens))
+    bm.cache(seq_id, tokens, len(tokens))
+
+
+def assert_all_free_or_cached(bm):
+    """The end of a run: no table, every reference count back to zero, every block free or cached."""
+    bm.check_invariants()
+    assert not bm.block_tables and set(bm.ref_counts) == {0} and bm.n_free == bm.n_blocks
+    assert sorted(list(bm.free_blocks) + list(bm.evictable)) == list(range(bm.n_blocks))
+    assert set(bm.evictable) == set(bm.cached.values())
+
+
+def test_full_blocks_are_shared_by_their_parent_chained_hash():
+    bm = BlockManager(n_blocks=8, block_size=2)
+    assert bm.admit("a", [1, 2, 3, 4, 5]) == 0  # nothing cached yet
+    computed(bm, "a", [1, 2, 3, 4, 5])
+    a = bm.block_tables["a"]
+    assert bm.cached == dict(zip(chain_keys([1, 2, 3, 4, 5], 2), a[:2]))  # prefix_cache's keys; no partial block
+    assert bm.match([1, 2, 3, 4, 9]) == a[:2] and bm.match([1, 2, 9, 4]) == a[:1] and bm.match([9, 2, 3, 4]) == []
+    assert bm.match([3, 4]) == []  # the same tokens at another place are another prefix
+    assert bm.admit("b", [1, 2, 3, 4, 7, 7]) == 4  # shares a's two full blocks
+    bm.grow("b", 6)
+    assert bm.block_tables["b"][:2] == a[:2] and bm.ref_counts[a[0]] == bm.ref_counts[a[1]] == 2
+    assert bm.n_used == 4  # a's 3 blocks and b's own third one: the shared ones count once
+    bm.check_invariants({"a": 5, "b": 6})
+    bm.check_writable("b", 4, 6)
+    with pytest.raises(RuntimeError, match="shared or cached"):  # the check can fail
+        bm.check_writable("b", 3, 5)
+    bm.cache("b", [1, 2, 3, 4, 7, 7], 6)
+    bm.free("a")
+    bm.free("b")
+    assert_all_free_or_cached(bm)
+    assert len(bm.cached) == 3  # a's two blocks and b's [7, 7]: kept after their sequences ended
+    assert not BlockManager(8, 2, prefix_sharing=False).match([1, 2, 3, 4])
+
+
+def test_a_hash_collision_is_a_miss():
+    bm = BlockManager(n_blocks=4, block_size=2)
+    computed(bm, "a", [1, 2, 3])
+    key = chain_keys([1, 2], 2)[0]
+    bm.block_hash[bm.cached[key]] = (key, None, (5, 6))  # as if [5, 6] had hashed to the same key
+    assert bm.match([1, 2, 3]) == []
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first_continuations_before_prefixes():
+    bm = BlockManager(n_blocks=4, block_size=2)
+    computed(bm, "a", [1, 2, 3, 4])
+    bm.free("a")
+    computed(bm, "b", [5, 6, 7, 8])
+    bm.free("b")
+    a, b = bm.match([1, 2, 3, 4]), bm.match([5, 6, 7, 8])
+    assert len(a) == len(b) == 2 and bm.n_free == 4 and not bm.free_blocks  # every block cached, evictable
+    assert list(bm.evictable) == [a[1], a[0], b[1], b[0]]  # least recently used first, a block before its parent
+    assert bm.admit("c", [1, 2, 9, 9]) == 2
+    bm.grow("c", 4)  # needs one block: a's second one, the least recently used, is evicted
+    assert bm.n_evictions == 1 and bm.match([1, 2, 3, 4]) == a[:1] and bm.match([5, 6, 7, 8]) == b
+    assert bm.admit("d", [5, 6, 7, 8, 1]) is None  # b's 2 blocks and 1 more: only b's are free
+    assert bm.admit("d", [5, 6, 7, 8]) == 3 and bm.n_free == 0  # shares b's blocks: out of the evictable ones
+    assert bm.admit("e", [3, 3, 3]) is None and "e" not in bm.block_tables  # no room: nothing done
+    bm.check_invariants({"c": 4, "d": 4})
+
+
+def test_copy_on_write_when_even_the_last_token_is_cached():
+    bm = BlockManager(n_blocks=6, block_size=2)
+    computed(bm, "a", [1, 2, 3, 4])
+    a = list(bm.block_tables["a"])
+    # b's 4 tokens are all cached, but its last one is computed again for its logits and would be
+    # written into a's second block, which a holds: b gets a copy of that block instead
+    assert bm.admit("b", [1, 2, 3, 4]) == 3
+    b = bm.block_tables["b"]
+    assert b[0] == a[0] and b[1] not in a and bm.copies == [(a[1], b[1])] and bm.n_copies == 1
+    assert bm.ref_counts[a[1]] == 1 and bm.ref_counts[b[1]] == 1
+    bm.check_writable("b", 3, 4)
+    bm.cache("b", [1, 2, 3, 4], 4)  # the copy's hash is a's block's: it stays b's own
+    assert bm.match([1, 2, 3, 4]) == a
+    # when no sequence holds the cached block any more, it is taken out of the cache instead of copied
+    bm.free("a")
+    bm.free("b")
+    bm.copies.clear()
+    assert bm.admit("c", [1, 2, 3, 4]) == 3 and bm.block_tables["c"] == a and not bm.copies
+    assert bm.match([1, 2, 3, 4]) == a[:1]  # uncached while c rewrites it ...
+    bm.check_writable("c", 3, 4)
+    bm.cache("c", [1, 2, 3, 4], 4)
+    assert bm.match([1, 2, 3, 4]) == a  # ... and cached again once computed
+    bm.check_invariants({"c": 4})
+
+
+def test_the_runner_copies_blocks_before_the_step_writes(tiny_models):
+    bm = BlockManager(n_blocks=4, block_size=2)
+    runner = paged_engine.ModelRunner(tiny_models[0], 4, 2)
+    runner.k_pool.normal_()
+    runner.v_pool.normal_()
+    k, v = runner.k_pool.clone(), runner.v_pool.clone()
+    bm.copies = [(1, 3), (0, 2)]
+    runner.copy_blocks(bm)
+    assert torch.equal(runner.k_pool[:, 6:8], k[:, 2:4]) and torch.equal(runner.v_pool[:, 4:6], v[:, 0:2])
+    assert torch.equal(runner.k_pool[:, :4], k[:, :4]) and not bm.copies
+
+
+def test_invariant_checks_catch_a_wrong_reference_count_or_an_uncached_evictable_block():
+    bm = BlockManager(n_blocks=4, block_size=2)
+    computed(bm, "a", [1, 2, 3])
+    bm.admit("b", [1, 2, 5])
+    bm.grow("b", 3)
+    bm.check_invariants({"a": 3, "b": 3})
+    bm.ref_counts[bm.block_tables["a"][0]] = 1
+    with pytest.raises(RuntimeError, match="reference count"):
+        bm.check_invariants()
+    bm.ref_counts[bm.block_tables["a"][0]] = 2
+    bm.free("a")
+    bm.free("b")
+    bm.evictable[bm.free_blocks.pop()] = None
+    with pytest.raises(RuntimeError, match="evictable block is not cached"):
+        bm.check_invariants()
+
+
+def shared_prefix_requests(n, seed, prefix_len=8):
+    """n requests whose prompts start with the same prefix_len tokens, then random tokens."""
+    prefix = torch.randint(TINY["vocab_size"], (prefix_len,), generator=torch.Generator().manual_seed(seed))
+    return [(torch.cat([prefix, p[:SEQLEN - prefix_len - 1]]), max(1, min(n_tokens, SEQLEN - prefix_len - len(p))))
+            for p, n_tokens in random_requests(n, seed + 1, max_prompt=SEQLEN - prefix_len - 1)]
+
+
+def record_max_refcount(eng, monkeypatch):
+    """Wrap the runner so that the largest reference count seen during the run is recorded."""
+    seen, run = [0], eng.runner.run
+
+    def recording_run(batch, bm):
+        seen[0] = max(seen[0], max(bm.ref_counts))
+        return run(batch, bm)
+    monkeypatch.setattr(eng.runner, "run", recording_run)
+    return seen
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_requests_with_a_shared_prefix_compute_it_once_and_get_the_same_tokens(tiny_models, chunk_size, monkeypatch):
+    requests = shared_prefix_requests(6, seed=8)
+    arrivals = [0.0] + [1e3] * 5  # the first request computes the prefix; the others come after it, together
+    expected = one_at_a_time(tiny_models[1], requests)
+    stats = {}
+    for sharing in (False, True):
+        eng = engine(tiny_models, chunk_size=chunk_size, max_seqs=6, prefix_sharing=sharing)
+        seen = record_max_refcount(eng, monkeypatch)
+        clock = serving.ServingClock(arrivals, [n for _, n in requests])
+        outputs, _ = eng.generate(requests, SEQLEN, clock)
+        assert_same(outputs, expected)
+        assert_all_free_or_cached(eng.block_manager)
+        stats[sharing] = dict(eng.stats, max_refcount=seen[0])
+    assert stats[False]["hit_rate"] == 0 and stats[False]["max_refcount"] == 1 and stats[False]["cached_tokens"] == 0
+    # the 5 later requests each find the prefix's 2 blocks of 4 tokens: 8 tokens not computed again
+    assert stats[True]["cached_tokens"] == 5 * 8
+    assert stats[True]["hit_rate"] == 5 * 8 / sum(len(p) for p, _ in requests)
+    assert stats[False]["computed_tokens"] - stats[True]["computed_tokens"] == 5 * 8
+    assert stats[True]["max_refcount"] > 1  # the prefix's blocks, held by several running requests at once
+    if chunk_size is None:  # whole prompts: the 5 later requests are admitted in one step, held once
+        assert stats[True]["max_refcount"] == 5 and stats[True]["blocks_peak"] < stats[False]["blocks_peak"]
+
+
+def test_cached_blocks_outlive_their_requests_a_later_turn_reuses_the_answer_too(tiny_models):
+    eng = engine(tiny_models, block_size=2, n_blocks=16)
+    first = [(torch.tensor([3, 1, 4, 1, 5]), 6)]
+    (out,), _ = eng.generate(first, SEQLEN)
+    assert eng.stats["hit_rate"] == 0
+    second = [(torch.cat([out, torch.tensor([2, 6])]), 3)]  # the next turn: prompt, answer, new message
+    outputs, _ = eng.generate(second, SEQLEN)
+    assert_same(outputs, one_at_a_time(tiny_models[1], second))
+    # the first call computed its 5 prompt tokens and 5 of its 6 new ones: 5 full blocks of 2; the
+    # second computes the rest of its prompt, then 2 decode tokens
+    assert eng.stats["cached_tokens"] == 10 and eng.stats["computed_tokens"] == (len(second[0][0]) - 10) + 2
+    assert_all_free_or_cached(eng.block_manager)
+
+
+def test_copy_on_write_in_the_engine_gives_the_same_tokens(tiny_models):
+    prompt = torch.tensor([7, 3, 9, 1, 4, 4, 2, 8])  # two full blocks of 4
+    requests = [(prompt, 6), (prompt, 5), (prompt, 3)]
+    expected = one_at_a_time(tiny_models[1], requests)
+    # 1e-9 s: the second arrives right after the first step, while the first is decoding (it holds the
+    # blocks: a copy); 1e3 s: the third arrives when nobody holds them (the block is uncached, no copy)
+    clock = serving.ServingClock([0.0, 1e-9, 1e3], [n for _, n in requests])
+    eng = engine(tiny_models)
+    outputs, _ = eng.generate(requests, SEQLEN, clock)
+    assert_same(outputs, expected)
+    assert eng.stats["cow_copies"] == 1 and eng.stats["cached_tokens"] == 7 + 7
+    assert clock.first[1] < clock.last[0]  # the second really ran beside the first
+    assert_all_free_or_cached(eng.block_manager)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_preempting_sequences_that_hold_shared_blocks_completes_every_request_exactly(tiny_models, chunk_size,
+                                                                                   monkeypatch):
+    requests = shared_prefix_requests(10, seed=9, prefix_len=6) + random_requests(4, seed=10)
+    need = max(-(-(len(p) + n - 1) // 2) for p, n in requests)
+    eng = engine(tiny_models, n_blocks=need + 1, block_size=2, max_seqs=5, chunk_size=chunk_size)
+    preempted_sharing, preempt = [], eng.scheduler.preempt
+
+    def recording_preempt(seq):
+        bm = eng.block_manager
+        preempted_sharing.append(any(bm.ref_counts[b] > 1 for b in bm.block_tables[seq.seq_id]))
+        preempt(seq)
+    monkeypatch.setattr(eng.scheduler, "preempt", recording_preempt)
+    outputs, _ = eng.generate(requests, SEQLEN)
+    assert_same(outputs, one_at_a_time(tiny_models[1], requests))
+    assert any(preempted_sharing)  # some preempted sequence held blocks that others held too
+    assert eng.stats["cached_tokens"] > 0 and eng.block_manager.n_evictions > 0
+    assert_all_free_or_cached(eng.block_manager)
