@@ -234,6 +234,7 @@ def parse_args(argv):
     add("--batch-size", type=iu.int_at_least(1), default=4, help="sequences decoded together when timing")
     add("--n-tokens", type=iu.int_at_least(1), default=16, help="decoding steps timed per run")
     add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    add("--val-batches", type=iu.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
     add("--pairs", type=iu.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
         help="numbers of key-value pairs of the recall evaluation (the largest is also the training maximum)")
     add("--recall-steps", type=iu.int_at_least(1), default=1200, help="training steps of each recall model")
@@ -257,13 +258,13 @@ def main(argv=None):
         parser.error(f"--contexts: at most {len(data.val) - 1} tokens (the validation split)")
     rebuild = iu.rebuild_command("main_linear_attention.py", argv, preset)
     models, seconds = train_language_models(preset, data, device, args.untrained, args.seed, rebuild)
-    window = iu.sample_prompts(data, 4, preset.seqlen, seed=args.seed, device=device)
+    window = iu.sample_prompts(data, 2, preset.seqlen, seed=args.seed, device=device)
     checks = {name: forms_agree(model, window) for name, model in models.items() if name != "softmax"}
 
-    softmax_loss = iu.validation_loss(models["softmax"], data)
+    softmax_loss = iu.validation_loss(models["softmax"], data, args.val_batches)
     quality = []
     for name, model in models.items():
-        loss = softmax_loss if name == "softmax" else iu.validation_loss(model, data)
+        loss = softmax_loss if name == "softmax" else iu.validation_loss(model, data, args.val_batches)
         with torch.inference_mode():
             cache_kb = iu.kv_cache_bytes(model(window[:1])[1]) / 1024
         quality.append(iu.make_row(name, params=iu.n_params(model), val_loss=loss,
@@ -297,7 +298,8 @@ def main(argv=None):
         plot_results(quality, context, recall, args.pairs, args.plot, preset, device)
     if args.json:
         iu.save_json(args.json, "main_linear_attention.py", preset, device, quality, untrained=args.untrained,
-                     context_rows=context, recall_rows=recall, checks=checks, summary=summary)
+                     context_rows=context, context_columns=iu.table_columns(context), recall_rows=recall,
+                     recall_columns=iu.table_columns(recall), recall_pairs=args.pairs, checks=checks, summary=summary)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ RUNS = [
     Run("main_pruning", "main_pruning.py", "docs/smaller_models.md", "pruning",
         "validation loss against distillation steps, pruned and from random weights",
         quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),
+    Run("main_linear_attention", "main_linear_attention.py", "docs/linear_attention.md", "linear_attention",
+        "cache per sequence and TPOT against context, recall accuracy against key-value pairs",
+        quick=("--contexts", "128", "256", "--n-tokens", "4", "--repeats", "1", "--val-batches", "2",
+               "--recall-steps", "2")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -418,12 +422,39 @@ def pruning_headline(r):
             f"{random_prune['val_pruned']:.2f} at random")
 
 
+def linear_tables(r):
+    """main_linear_attention's memory-and-time and recall tables."""
+    return ("Cache per sequence and TPOT after a prompt of each length:\n\n"
+            + markdown_table(r["context_columns"], r["context_rows"])
+            + "\n\nAssociative recall (MQAR): accuracy of the answers against the number of key-value pairs:\n\n"
+            + markdown_table(r["recall_columns"], r["recall_rows"]))
+
+
+EXTRA_TABLES["main_linear_attention"] = linear_tables
+
+
+def linear_headline(r):
+    softmax = find(r, "softmax")
+    longest = max(row["context"] for row in r["context_rows"])
+    at = {row["variant"]: row for row in r["context_rows"] if row["context"] == longest}
+    recall = {row["variant"]: row for row in r["recall_rows"]}
+    most = max(r["recall_pairs"])
+    return (f"linear attention, gated, Gated DeltaNet and a 3:1 hybrid, trained {r['preset_config']['iters']} steps",
+            "val loss against softmax: " + ", ".join(f"{row['variant']} {row['loss_vs_softmax']:+.3f}"
+                                                     for row in r["rows"] if row is not softmax)
+            + f"; at {longest} tokens cache {at['delta']['cache_kb']:.0f} against {at['softmax']['cache_kb']:.0f} KiB, "
+            f"TPOT {num(at['delta']['tpot_ms'], '{:.1f}')} against {num(at['softmax']['tpot_ms'], '{:.1f}')} ms; "
+            f"recall at {most} pairs: " + ", ".join(f"{name} {row[f'acc_{most}_pairs']:.2f}"
+                                                    for name, row in recall.items()))
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
-             "main_distillation": distillation_headline, "main_pruning": pruning_headline}
+             "main_distillation": distillation_headline, "main_pruning": pruning_headline,
+             "main_linear_attention": linear_headline}
 
 
 def summary_block(results):
