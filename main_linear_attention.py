@@ -158,7 +158,7 @@ def context_rows(models, data, contexts, batch_size, n_tokens, repeats, device, 
     return rows
 
 
-def train_recall(model, steps, lr, n_pairs_max, seqlen, n_keys, batch_size, seed, desc):
+def train_recall(model, steps, lr, n_pairs_max, seqlen, n_keys, batch_size, seed, desc, device="cpu"):
     """AdamW with warm-up and cosine decay on MQAR batches of 1..n_pairs_max pairs; loss on the answers."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
@@ -167,7 +167,7 @@ def train_recall(model, steps, lr, n_pairs_max, seqlen, n_keys, batch_size, seed
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
         n_pairs = int(torch.randint(1, n_pairs_max + 1, (1,), generator=generator))
-        x, y = mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator)
+        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
         loss = F.cross_entropy(iu.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
         iu.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
         optimizer.zero_grad(set_to_none=True)
@@ -183,12 +183,13 @@ def train_recall(model, steps, lr, n_pairs_max, seqlen, n_keys, batch_size, seed
 def recall_accuracy(model, n_pairs, seqlen, n_keys, n_sequences=256, seed=4321):
     """Fraction of the query answers that the model's argmax gets right, on fixed-seed MQAR sequences."""
     x, y = mqar_batch(n_sequences, n_pairs, seqlen, n_keys, torch.Generator().manual_seed(seed + n_pairs))
-    predicted = iu.logits_of(model(x)).argmax(-1)
+    device = next(model.parameters(), x).device  # the model's (x's for a model without parameters)
+    predicted = iu.logits_of(model(x.to(device))).argmax(-1).cpu()
     answers = y != -100
     return (predicted[answers] == y[answers]).float().mean().item()
 
 
-def recall_rows(args, preset, rebuild):
+def recall_rows(args, preset, device, rebuild):
     """Train (or load) one small model of each kind on MQAR, then accuracy against the number of pairs."""
     n_keys, seqlen = args.recall_keys, args.recall_seqlen
     base = dict(RECALL, vocab_size=2 * n_keys, seqlen=seqlen)
@@ -197,10 +198,11 @@ def recall_rows(args, preset, rebuild):
     rows = []
     for name, (model_class, config) in kinds.items():
         def train(model):
-            train_recall(model, args.recall_steps, args.recall_lr, max(args.pairs), seqlen, n_keys, 64, args.seed,
-                         f"recall {name}")
+            train_recall(model.to(device), args.recall_steps, args.recall_lr, max(args.pairs), seqlen, n_keys, 64,
+                         args.seed, f"recall {name}", device)
         path = iu.checkpoint_path(f"{preset.name}_recall_{name}_s{args.recall_steps}")
         model, _ = load_or_train(model_class, config, path, train, args.untrained, args.seed, f"mqar{n_keys}", rebuild)
+        model = model.to(device)
         rows.append(iu.make_row(name, **{f"acc_{p}_pairs": round(recall_accuracy(model, p, seqlen, n_keys), 3)
                                          for p in args.pairs}))
     return rows
@@ -278,7 +280,7 @@ def main(argv=None):
                               f"{', '.join(failures)}; this is a bug (nothing written)")
     context = context_rows(models, data, args.contexts, args.batch_size, args.n_tokens, args.repeats, device,
                            args.seed)
-    recall = recall_rows(args, preset, rebuild)
+    recall = recall_rows(args, preset, device, rebuild)
 
     print(f"\n1. quality: {preset.iters} steps each (batch {preset.batch_size}, lr {preset.lr:g}); cache of one "
           f"sequence of {preset.seqlen} tokens")
