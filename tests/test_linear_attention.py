@@ -3,6 +3,7 @@
 model's decoding with a carried state against its full pass; the hybrid's softmax blocks against
 GPTlite_KVCache; MQAR batches; clear errors; main_linear_attention.py end to end on random weights."""
 import json
+import os
 
 import pytest
 import torch
@@ -264,20 +265,19 @@ def test_load_or_train_saves_then_reuses(tmp_path):
 ])
 def test_bad_flags_are_clear_errors(flags, message, capsys, real_data):
     with pytest.raises(SystemExit):
-        mla.main(flags + ["--untrained", "--data", str(real_data_path())])
+        mla.main(flags + ["--untrained", "--data", real_data_path()])
     assert message in capsys.readouterr().err
 
 
 def real_data_path():
-    import os
-    return os.environ["GPTLITE_DATA"]
+    return os.environ["GPTLITE_DATA"]  # set: the real_data fixture skips the test otherwise
 
 
 def test_main_end_to_end_untrained(tmp_path, real_data):
     out = tmp_path / "linear.json"
     mla.main(["--untrained", "--data", real_data_path(), "--contexts", "8", "200", "--batch-size", "1",
-              "--n-tokens", "2", "--repeats", "1", "--val-batches", "1", "--pairs", "1", "3", "--recall-steps", "1", "--recall-seqlen", "8",
-              "--recall-keys", "4", "--json", str(out), "--plot", str(tmp_path / "linear.png")])
+              "--n-tokens", "2", "--repeats", "1", "--val-batches", "1", "--pairs", "1", "3", "--recall-steps", "1",
+              "--recall-seqlen", "8", "--recall-keys", "4", "--json", str(out), "--plot", str(tmp_path / "linear.png")])
     result = json.loads(out.read_text())
     assert [r["variant"] for r in result["rows"]] == ["softmax", "linear", "gated", "delta", "hybrid"]
     assert all(result["checks"].values())
