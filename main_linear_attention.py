@@ -35,7 +35,9 @@ from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import GPTlite_Linear, linear_config
 
-ATOL = 1e-4  # float32 logits: the chunked form sums the same terms in another order
+# float32 logits (units to tens): the chunked form sums the same terms in another order. The "linear" rule's
+# undecayed sums of up to 128 positive terms differ by up to 2e-4 on the trained model (1e-13 in float64).
+ATOL = 1e-3
 KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None), "hybrid": ("delta", 4)}
 RECALL = dict(d_model=64, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0)  # small: the state is 16 x 16 a head
 RECALL_KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None),
@@ -239,7 +241,7 @@ def parse_args(argv):
     add("--val-batches", type=iu.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
     add("--pairs", type=iu.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
         help="numbers of key-value pairs of the recall evaluation (the largest is also the training maximum)")
-    add("--recall-steps", type=iu.int_at_least(1), default=1200, help="training steps of each recall model")
+    add("--recall-steps", type=iu.int_at_least(1), default=1000, help="training steps of each recall model")
     add("--recall-lr", type=iu.positive_float, default=3e-3, help="peak learning rate of the recall models")
     add("--recall-keys", type=iu.int_at_least(2), default=32, help="distinct keys (and values) of the recall task")
     add("--recall-seqlen", type=iu.int_at_least(4), default=64, help="length of a recall sequence")
