@@ -95,6 +95,10 @@ RUNS = [
                "--time-tokens", "16", "--repeats", "1")),
     Run("main_continuous_batching_prefix_sharing", "main_continuous_batching.py", "docs/batching.md",
         args=("--prefix-sharing",), quick=("--n-requests", "8", "--repeats", "1", "--turns", "2")),
+    Run("main_linear_attention", "main_linear_attention.py", "docs/linear_attention.md", "linear_attention",
+        "cache per sequence and TPOT against context, recall accuracy against key-value pairs",
+        quick=("--contexts", "128", "256", "--n-tokens", "4", "--repeats", "1", "--val-batches", "2",
+               "--recall-steps", "2")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -279,8 +283,16 @@ def threshold_table(result):
     return "The threshold sweep on the labelled pairs:\n\n" + markdown_table(columns, points) if points else ""
 
 
+def linear_tables(r):
+    """main_linear_attention's memory-and-time and recall tables."""
+    return ("Cache per sequence and TPOT after a prompt of each length:\n\n"
+            + markdown_table(r["context_columns"], r["context_rows"])
+            + "\n\nAssociative recall (MQAR): accuracy of the answers against the number of key-value pairs:\n\n"
+            + markdown_table(r["recall_columns"], r["recall_rows"]))
+
+
 EXTRA_TABLES = {"main_flash_attention": long_context_table, "main_mla": gqa_points_table,
-                "main_semantic_cache": threshold_table}
+                "main_semantic_cache": threshold_table, "main_linear_attention": linear_tables}
 
 
 def table_block(run, result):
@@ -502,6 +514,21 @@ def prefix_sharing_headline(r):
             f"(hit rate {roomy['hit_rate']:.0%}); identical tokens")
 
 
+def linear_headline(r):
+    softmax = find(r, "softmax")
+    longest = max(row["context"] for row in r["context_rows"])
+    at = {row["variant"]: row for row in r["context_rows"] if row["context"] == longest}
+    recall = {row["variant"]: row for row in r["recall_rows"]}
+    most = max(r["recall_pairs"])
+    return (f"linear attention, gated, Gated DeltaNet and a 3:1 hybrid, trained {r['preset_config']['iters']} steps",
+            "val loss against softmax: " + ", ".join(f"{row['variant']} {row['loss_vs_softmax']:+.3f}"
+                                                     for row in r["rows"] if row is not softmax)
+            + f"; at {longest} tokens cache {at['delta']['cache_kb']:.0f} against {at['softmax']['cache_kb']:.0f} KiB, "
+            f"TPOT {num(at['delta']['tpot_ms'], '{:.1f}')} against {num(at['softmax']['tpot_ms'], '{:.1f}')} ms; "
+            f"recall at {most} pairs: " + ", ".join(f"{name} {row[f'acc_{most}_pairs']:.2f}"
+                                                    for name, row in recall.items()))
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
@@ -512,7 +539,8 @@ HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headl
              "main_flash_decoding": flash_decoding_headline, "main_sage_attention": sage_headline,
              "main_moba": moba_headline,
              "main_sparse_attention": sparse_headline,
-             "main_continuous_batching_prefix_sharing": prefix_sharing_headline}
+             "main_continuous_batching_prefix_sharing": prefix_sharing_headline,
+             "main_linear_attention": linear_headline}
 
 
 def summary_block(results):

@@ -1,0 +1,269 @@
+"""Linear attention for GPTlite: a fixed-size state per head instead of a growing KV cache.
+
+Blog section: "Linear attention and hybrids". Every head keeps a state S of [d_head, d_head] that maps
+keys to values; the output of a query is read from it. S is stored here as [d_k, d_v] (its transpose,
+the layout of flash-linear-attention), so the read is o_t = q_t^T S_t and the write is S += k_t v_t^T.
+Three update rules (written in the issue's orientation, S of [d_v, d_k]):
+
+- "linear" (Katharopoulos et al. 2020): S_t = S_{t-1} + v_t k_t^T, with the positive feature map
+  elu(x) + 1 on queries and keys and the normalizer o_t = S_t q_t / (z_t . q_t), z_t = sum of the keys.
+  The normalizer is the same sum with a value of 1, so it rides along as one extra value column of the
+  state ([d_k, d_v + 1]): one code path computes both. Without it the output grows with t.
+- "gated": S_t = a_t S_{t-1} + v_t k_t^T, a_t = exp(logsigmoid(w_a . x_t) / 16) in (0, 1), one decay
+  per head and token (the scalar gate of Mamba-2 / Gated DeltaNet; GLA's 1/16 keeps a_t near 1 at the
+  start of training).
+- "delta" (Gated DeltaNet, Yang et al. 2024): S_t = a_t S_{t-1} - b_t (a_t S_{t-1} k_t - v_t) k_t^T,
+  b_t = sigmoid(w_b . x_t): one step of gradient descent on ||S k_t - v_t||^2, which overwrites the value
+  stored under k_t instead of adding to it. Keys must have unit norm for that step to be stable.
+
+"gated" and "delta" use L2-normalized queries and keys and normalize each head's output (RMSNorm without
+weights, as GLA and Gated DeltaNet do): the state sums up to 1/(1 - a) values, an unbounded scale.
+
+Two forms of each rule that give the same outputs and state:
+- `recurrent`: one token at a time; `recurrent_step` is the decode step, the state is the whole cache;
+- `chunked`: chunks of C tokens, attention-like (a [C, C] score matrix with the decay) within a chunk,
+  the state carried between chunks: matrix products for training and prefill, a Python loop over
+  T / C chunks only. The delta rule's chunk solves a unit lower-triangular system (the WY / UT form
+  of DeltaNet) for the values the chunk actually writes.
+
+Positions: GPTlite_Linear has no position embedding. The recurrence is ordered and causal, and the
+decay of "gated" and "delta" weights recent tokens more, so these layers need none (the plain "linear"
+rule sees its past as an unordered sum, its known weakness). The softmax layers of a hybrid use no
+positions either (NoPE), as Kimi Linear's full-attention layers do: their order comes from the linear
+layers below them. So no layer has a learned table of `seqlen` rows, and the models run at any context
+length; `seqlen` is only the training window.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlite import FeedForward, GPTlite
+from gptlite_kvcache import Block_KVCache
+
+RULES = ("linear", "gated", "delta")
+GATE_NORMALIZER = 16  # GLA's: log a_t = logsigmoid(.) / 16
+
+
+def check_config(rule, hybrid_every, chunk_size=32):
+    """Clear errors for a bad layer configuration, before any weights are made."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}: choose one of {', '.join(RULES)}")
+    if hybrid_every is not None and (not isinstance(hybrid_every, int) or hybrid_every < 1):
+        raise ValueError(f"hybrid_every must be None (no softmax layers) or an integer >= 1 (every n-th block "
+                         f"keeps softmax attention), got {hybrid_every!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The two forms. q, k: [B, H, T, d_k], v: [B, H, T, d_v]; log_a (log of the decay, <= 0) and beta:
+# [B, H, T], or None (no decay / no delta correction); S: [B, H, d_k, d_v] or None (zeros).
+
+def recurrent_step(q, k, v, log_a, beta, S):
+    """One token: q, k [B, H, d_k], v [B, H, d_v], log_a and beta [B, H] or None. Returns o [B, H, d_v], S."""
+    if log_a is not None:
+        S = S * log_a.exp()[..., None, None]  # a_t S_{t-1}
+    if beta is not None:  # write b_t (v_t - a_t S_{t-1}^T k_t): replace what k_t read, not add to it
+        v = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, S))
+    S = S + k[..., :, None] * v[..., None, :]  # [B, H, d_k, d_v]
+    return torch.einsum("bhk,bhkv->bhv", q, S), S
+
+
+def recurrent(q, k, v, log_a=None, beta=None, S=None):
+    """The reference form: recurrent_step over every token. Returns o [B, H, T, d_v] and the last S."""
+    B, H, T, d_k = q.shape
+    S = q.new_zeros(B, H, d_k, v.shape[-1]) if S is None else S
+    out = []
+    for t in range(T):
+        o, S = recurrent_step(q[:, :, t], k[:, :, t], v[:, :, t], None if log_a is None else log_a[:, :, t],
+                              None if beta is None else beta[:, :, t], S)
+        out.append(o)
+    return torch.stack(out, dim=2), S
+
+
+def chunked(q, k, v, log_a=None, beta=None, S=None, chunk_size=32):
+    """The parallel form, chunk by chunk. Returns o [B, H, T, d_v] and the last S, as `recurrent` does.
+
+    Within a chunk, with G_i the cumulative log decay from the chunk's start to token i, and u_j the value
+    token j writes (v_j without the delta rule):
+        o_i   = e^{G_i} q_i^T S_0 + sum_{j <= i} e^{G_i - G_j} (q_i . k_j) u_j
+        S_end = e^{G_C} S_0 + sum_j e^{G_C - G_j} k_j u_j^T
+    The delta rule's u_i = b_i (v_i - e^{G_i} S_0^T k_i - sum_{j < i} e^{G_i - G_j} (k_i . k_j) u_j) is a
+    unit lower-triangular system (I + A) U = b (V - e^G K S_0), solved for all chunks at once."""
+    B, H, T, d_k = q.shape
+    d_v, C = v.shape[-1], chunk_size
+    S = q.new_zeros(B, H, d_k, d_v) if S is None else S
+    log_a = q.new_zeros(B, H, T) if log_a is None else log_a
+    pad = -T % C  # zero keys, values and steps after the end change neither the outputs nor the state
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        log_a = F.pad(log_a, (0, pad))
+        beta = None if beta is None else F.pad(beta, (0, pad))
+    N = (T + pad) // C
+    q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))  # [B, H, N, C, D]
+    G = log_a.reshape(B, H, N, C).cumsum(-1)  # [B, H, N, C]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B, H, N, C, C]
+    scores = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], zero above the diagonal
+    q_from_start = q * G.exp()[..., None]  # e^{G_i} q_i: reads S_0
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]  # e^{G_C - G_i} k_i: writes S_end
+    if beta is not None:
+        beta = beta.reshape(B, H, N, C, 1)
+        A = (beta * (k @ k.transpose(-1, -2)) * decay).tril(-1)  # [B, H, N, C, C], strictly lower
+        unit_lower = A + torch.eye(C, device=q.device, dtype=q.dtype)
+        U_v = torch.linalg.solve_triangular(unit_lower, beta * v, upper=False, unitriangular=True)
+        W_k = torch.linalg.solve_triangular(unit_lower, beta * k * G.exp()[..., None], upper=False,
+                                            unitriangular=True)  # U = U_v - W_k S_0
+    out = []
+    for n in range(N):  # the only sequential part: the state passes from chunk to chunk
+        U = v[:, :, n] if beta is None else U_v[:, :, n] - W_k[:, :, n] @ S  # [B, H, C, d_v]
+        out.append(q_from_start[:, :, n] @ S + scores[:, :, n] @ U)
+        S = G[:, :, n, -1, None, None].exp() * S + k_to_end[:, :, n].transpose(-1, -2) @ U
+    return torch.stack(out, dim=2).reshape(B, H, N * C, d_v)[:, :, :T], S
+
+
+# ----------------------------------------------------------------------------------------------------
+# The layer, its block and the model.
+
+class LinearAttention(nn.Module):
+    """Multi-head linear attention with the projections of GPTlite's MultiHeadAttention (same names),
+    plus per-head gate and step projections where the rule has them. Its cache is the state S."""
+
+    def __init__(self, d_model, n_heads, d_head, dropout_p, rule, chunk_size=32):
+        super().__init__()
+        check_config(rule, None, chunk_size)
+        self.n_heads, self.d_head, self.rule, self.chunk_size = n_heads, d_head, rule, chunk_size
+        self.query_proj = nn.Linear(d_model, n_heads * d_head)
+        self.key_proj = nn.Linear(d_model, n_heads * d_head)
+        self.value_proj = nn.Linear(d_model, n_heads * d_head)
+        self.out_proj = nn.Linear(n_heads * d_head, d_model)
+        self.dropout = nn.Dropout(dropout_p)
+        if rule in ("gated", "delta"):
+            self.gate_proj = nn.Linear(d_model, n_heads)  # a_t, one per head
+        if rule == "delta":
+            self.beta_proj = nn.Linear(d_model, n_heads)  # b_t, one per head
+
+    def split_heads(self, x):
+        B, T, _ = x.shape  # [B, T, H*D]
+        return x.view(B, T, -1, self.d_head).transpose(1, 2)  # [B, H, T, D]
+
+    def state_shape(self, batch_size):
+        """The cache of one sequence batch: [B, H, d_k, d_v] (d_v + 1 with the linear rule's normalizer)."""
+        return (batch_size, self.n_heads, self.d_head, self.d_head + (self.rule == "linear"))
+
+    def inputs(self, x):
+        """q, k, v [B, H, T, D] and log a, b [B, H, T] (None where the rule has none) of x [B, T, d_model]."""
+        q, k, v = (self.split_heads(proj(x)) for proj in (self.query_proj, self.key_proj, self.value_proj))
+        log_a = beta = None
+        if self.rule == "linear":
+            q, k = F.elu(q) + 1, F.elu(k) + 1  # positive features: a positive normalizer
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the normalizer z as a value column of 1
+        else:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # unit-norm keys (the delta rule needs them)
+            log_a = (F.logsigmoid(self.gate_proj(x)) / GATE_NORMALIZER).transpose(1, 2)  # [B, H, T]
+        if self.rule == "delta":
+            beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # [B, H, T]
+        return q, k, v, log_a, beta
+
+    def output(self, o):
+        """The heads' outputs [B, H, T, d_v(+1)] -> [B, T, d_model]."""
+        if self.rule == "linear":
+            o = o[..., :-1] / (o[..., -1:] + 1e-6)  # S q / (z . q)
+        else:
+            o = F.rms_norm(o, (self.d_head,))
+        B, _, T, _ = o.shape
+        return self.dropout(self.out_proj(o.transpose(1, 2).reshape(B, T, -1)))
+
+    def forward(self, x, state=None, form=None):
+        """x: [B, T, d_model] new tokens after `state` ([B, H, d_k, d_v(+1)], None: empty). form: "chunked",
+        "recurrent", or None (recurrent for one token, the decode step; chunked otherwise).
+        Returns the output [B, T, d_model] and the new state."""
+        q, k, v, log_a, beta = self.inputs(x)
+        if state is not None and tuple(state.shape) != self.state_shape(x.shape[0]):
+            raise ValueError(f"the state has shape {tuple(state.shape)}, this layer and batch need "
+                             f"{self.state_shape(x.shape[0])}; start with state=None")
+        form = form or ("recurrent" if x.shape[1] == 1 else "chunked")
+        if form == "recurrent":
+            o, state = recurrent(q, k, v, log_a, beta, state)
+        elif form == "chunked":
+            o, state = chunked(q, k, v, log_a, beta, state, self.chunk_size)
+        else:
+            raise ValueError(f"form must be 'chunked' or 'recurrent', got {form!r}")
+        return self.output(o), state
+
+
+class LinearBlock(nn.Module):
+    """GPTlite's pre-LayerNorm block with linear attention; returns the new state beside x."""
+
+    def __init__(self, d_model, n_heads, d_head, dropout_p, rule, d_ff=None, chunk_size=32):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.mha = LinearAttention(d_model, n_heads, d_head, dropout_p, rule, chunk_size)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.ffwd = FeedForward(d_model, dropout_p, d_ff)
+
+    def forward(self, x, state=None, form=None):
+        out, state = self.mha(self.ln1(x), state, form)
+        x = x + out
+        return x + self.ffwd(self.ln2(x)), state
+
+
+def is_softmax_block(layer, hybrid_every):
+    """Every hybrid_every-th block (the 4th, 8th, ... for 4: Kimi Linear's 3 linear to 1 softmax)."""
+    return hybrid_every is not None and (layer + 1) % hybrid_every == 0
+
+
+class GPTlite_Linear(GPTlite):
+    """GPTlite with linear attention blocks, no position embedding (see the module docstring); with
+    `hybrid_every`, every hybrid_every-th block keeps softmax attention and its KV cache (Block_KVCache,
+    without a window). The state-dict names of the shared parts are GPTlite's."""
+
+    def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff=None,
+                 rule="delta", hybrid_every=None, chunk_size=32):
+        check_config(rule, hybrid_every, chunk_size)
+        super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
+        del self.position_embedding  # no positions: see the module docstring
+        self.rule, self.hybrid_every = rule, hybrid_every
+        self.blocks = nn.Sequential(*[
+            Block_KVCache(d_model, n_heads, d_head, dropout_p, d_ff) if is_softmax_block(i, hybrid_every)
+            else LinearBlock(d_model, n_heads, d_head, dropout_p, rule, d_ff, chunk_size) for i in range(n_layers)])
+        self.apply(self._init_weights)
+
+    def forward(self, idx, cache=None, form=None):
+        """idx: [B, T] new tokens after `cache` (None: the start of the sequences), of any length.
+        cache: per block, the state S of a linear block or the (keys, values) of a softmax block.
+        form: the linear layers' form (None: recurrent for one token, chunked otherwise).
+        Returns logits [B, T, vocab] and the new cache."""
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"the cache has {len(cache)} layers, the model {len(self.blocks)}; start with cache=None")
+        x = self.token_embedding(idx)  # [B, T, d_model], no position embedding
+        new_cache = []
+        for layer, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache[layer]
+            if isinstance(block, Block_KVCache):
+                x, layer_cache = block(x, layer_cache)  # no max_seqlen: NoPE attention has no window
+            else:
+                x, layer_cache = block(x, layer_cache, form)
+            new_cache.append(layer_cache)
+        return self.fc_out(self.ln(x)), new_cache
+
+
+def linear_config(config, rule, hybrid_every=None):
+    """The constructor arguments of a GPTlite_Linear from a preset's GPTlite config."""
+    return dict(config, rule=rule, hybrid_every=hybrid_every)
+
+
+@torch.inference_mode()
+def generate_linear(model, prompt, n_tokens, cache=None):
+    """Greedy decoding: prefill the prompt [B, S] (chunked), then one token at a time with the state.
+    Returns the prompt followed by the n_tokens new tokens, [B, S + n_tokens]."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long or prompt.numel() == 0:
+        raise ValueError("prompt must be a non-empty LongTensor of token ids of shape [batch, length]")
+    if not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    logits, cache = model(prompt, cache)
+    tokens = [logits[:, -1].argmax(dim=-1, keepdim=True)]
+    for _ in range(n_tokens - 1):
+        logits, cache = model(tokens[-1], cache)
+        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+    return torch.cat([prompt] + tokens, dim=1)

@@ -1,0 +1,310 @@
+"""Linear attention, gating, the delta rule and a 3:1 hybrid, trained and measured against softmax GPTlite.
+
+    python main_linear_attention.py                    # cpu preset: trains the missing checkpoints first
+    python main_linear_attention.py --contexts 128 512 2048 --json linear.json --plot linear.png
+    python main_linear_attention.py --untrained --contexts 128 256 --recall-steps 2   # a quick smoke run
+
+Blog section: "Linear attention and hybrids". Three parts, each with its own table:
+1. Quality: GPTlite_Linear with the rules "linear", "gated" and "delta" (Gated DeltaNet), and the hybrid
+   (delta rule, every 4th block softmax attention, Kimi Linear's 3:1), trained with the preset's recipe
+   (steps, batch, learning rate) as checkpoints/<preset>_linear_<name>.pt; validation loss against the
+   softmax checkpoint.
+2. Memory and time against context length: the cache of one sequence (the linear layers' state is
+   constant, the KV cache grows with the context) and the TPOT of greedy decoding after a prompt of each
+   length. The linear models have no position table and run at any length; softmax GPTlite's table has
+   seqlen rows, so beyond it the softmax rows are timed with its last position row repeated: timing
+   only (decoding cost does not depend on the weights' values), its text there is not meaningful.
+3. Recall (Zoology's MQAR): key-value pairs, then queries of the keys; small models of each kind
+   trained on it (checkpoints/<preset>_recall_<name>.pt); accuracy of the answers against the number
+   of pairs. A fixed-size state must hold every pair; a KV cache keeps them all.
+
+Checks first: every linear model's chunked form gives the logits of its recurrent form, and prefill
+plus one-token decoding with the carried state gives the logits of the full pass. Nothing is written
+unless they pass.
+"""
+import argparse
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import inference_utils as iu
+from gptlite import GPTlite
+from gptlite_kvcache import GPTlite_KVCache
+from gptlite_linear import GPTlite_Linear, linear_config
+
+# float32 logits (units to tens): the chunked form sums the same terms in another order. The "linear" rule's
+# undecayed sums of up to 128 positive terms differ by up to 2e-4 on the trained model (1e-13 in float64).
+ATOL = 1e-3
+KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None), "hybrid": ("delta", 4)}
+RECALL = dict(d_model=64, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0)  # small: the state is 16 x 16 a head
+RECALL_KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None),
+                "hybrid": ("delta", 2)}  # 2 layers: the hybrid's second block is softmax
+
+
+def mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator=None):
+    """Multi-query associative recall: n_pairs (key, value) pairs, then (key, value) queries of those keys
+    until seqlen. Keys are tokens 0..n_keys-1, values n_keys..2*n_keys-1, a random map per sequence.
+    Returns inputs x [B, seqlen] and targets y [B, seqlen]: a query's value at its key's position, -100
+    (ignored) elsewhere."""
+    if not 1 <= n_pairs <= n_keys or 2 * n_pairs + 2 > seqlen:
+        raise ValueError(f"n_pairs must be between 1 and n_keys={n_keys}, with room for a query in seqlen={seqlen} "
+                         f"(2 * n_pairs + 2 <= seqlen), got {n_pairs}")
+    keys = torch.rand(batch_size, n_keys, generator=generator).argsort(-1)[:, :n_pairs]  # distinct keys [B, P]
+    values = n_keys + torch.randint(n_keys, (batch_size, n_pairs), generator=generator)  # [B, P]
+    n_queries = (seqlen - 2 * n_pairs) // 2
+    pick = torch.randint(n_pairs, (batch_size, n_queries), generator=generator)  # [B, Q]
+    pairs = torch.stack([keys, values], -1).flatten(1)  # [B, 2P]: k v k v ...
+    queries = torch.stack([keys.gather(1, pick), values.gather(1, pick)], -1).flatten(1)  # [B, 2Q]
+    x = torch.cat([pairs, queries], 1)
+    x = F.pad(x, (0, seqlen - x.shape[1]))  # an odd remainder: one padding token, never a target
+    y = torch.full_like(x, -100)
+    answer = torch.arange(2 * n_pairs, 2 * n_pairs + 2 * n_queries, 2)  # the query keys' positions
+    y[:, answer] = x[:, answer + 1]
+    return x, y
+
+
+def load_or_train(model_class, config, path, train, untrained, seed, vocab, rebuild):
+    """The model saved at `path` (checked against `config`), else a new one trained by `train(model)`
+    and saved; with `untrained`, random weights and nothing saved."""
+    torch.manual_seed(seed)
+    model = model_class(**config)
+    if untrained:
+        return model.eval(), None
+    if path.exists():
+        ckpt = iu.load_checkpoint(path, config=config, vocab=vocab, rebuild=rebuild)
+        model.load_state_dict(ckpt["state_dict"])
+        return model.eval(), None
+    with iu.Timer() as t:
+        train(model)
+    iu.save_checkpoint(path, model, config, vocab, rebuild=rebuild, train_seconds=round(t.seconds))
+    print(f"saved {path} ({t.seconds:.0f} s of training)")
+    return model.eval(), t.seconds
+
+
+def train_language_models(preset, data, device, untrained, seed, rebuild):
+    """Softmax GPTlite (the preset's checkpoint) and the four linear kinds, trained with its recipe."""
+    models = {"softmax": iu.load_model(GPTlite_KVCache, preset, device, data, untrained=untrained, seed=seed)}
+    seconds = {}
+    for name, (rule, hybrid_every) in KINDS.items():
+        def train(model):
+            iu.train_steps(model.to(device), data, preset.iters, preset.batch_size, preset.seqlen, preset.lr,
+                           seed=seed, desc=f"training {name}")
+        model, seconds[name] = load_or_train(GPTlite_Linear, linear_config(preset.model_config(), rule, hybrid_every),
+                                             iu.checkpoint_path(f"{preset.name}_linear_{name}"), train, untrained,
+                                             seed, data.vocab, rebuild)
+        models[name] = model.to(device)
+    return models, seconds
+
+
+@torch.inference_mode()
+def forms_agree(model, window):
+    """Chunked against recurrent form, and prefill + decode with the carried state against the full pass."""
+    chunked, _ = model(window, form="chunked")
+    recurrent, _ = model(window, form="recurrent")
+    return (chunked - recurrent).abs().max().item() <= ATOL and iu.cached_matches_full(model, window, ATOL)
+
+
+def long_softmax(model, context):
+    """Softmax GPTlite with a position table of `context` rows: the trained rows, then the last one repeated
+    (timing only beyond the trained window)."""
+    if context <= model.seqlen:
+        return model
+    config = dict(iu.model_config(model), seqlen=context)
+    state = dict(model.state_dict())
+    table = state["position_embedding.weight"]
+    state["position_embedding.weight"] = torch.cat([table, table[-1:].expand(context - len(table), -1)])
+    long = GPTlite_KVCache(**config).to(table.device).eval()
+    long.load_state_dict(state)
+    return long
+
+
+@torch.inference_mode()
+def decode_steps(model, cache, token, n_tokens, max_seqlen=None):
+    """n_tokens greedy steps on `cache` (left as it was: every step returns a new cache)."""
+    kwargs = {} if max_seqlen is None else dict(max_seqlen=max_seqlen)
+    for _ in range(n_tokens):
+        logits, cache = model(token, cache, **kwargs)
+        token = logits[:, -1].argmax(-1, keepdim=True)
+    return token
+
+
+@torch.inference_mode()
+def context_rows(models, data, contexts, batch_size, n_tokens, repeats, device, seed):
+    """Per context: each model's cache bytes per sequence after the prompt, and its TPOT (median of
+    `repeats` decodes of n_tokens on the prefilled cache, the models round-robin)."""
+    rows = []
+    for context in tqdm(contexts, desc="contexts", dynamic_ncols=True):
+        prompts = iu.sample_prompts(data, batch_size, context, seed=seed, device=device)
+        runs, cache_bytes = {}, {}
+        for name, model in models.items():
+            long = long_softmax(model, context + n_tokens) if name == "softmax" else model
+            max_seqlen = long.seqlen if name == "softmax" else None
+            logits, cache = long(prompts, **({} if max_seqlen is None else dict(max_seqlen=max_seqlen)))
+            cache_bytes[name] = iu.kv_cache_bytes(cache) / batch_size
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            runs[name] = lambda long=long, cache=cache, token=token, m=max_seqlen: decode_steps(long, cache, token,
+                                                                                               n_tokens, m)
+            runs[name]()  # warm-up
+        times = {name: [] for name in runs}
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                with iu.Timer(device) as t:
+                    fn()
+                times[name].append(t.seconds)
+        for name in models:
+            rows.append(iu.make_row(name, context=context, cache_kb=round(cache_bytes[name] / 1024, 1),
+                                    tpot_ms=statistics.median(times[name]) / n_tokens * 1e3))
+    return rows
+
+
+def train_recall(model, steps, lr, n_pairs_max, seqlen, n_keys, batch_size, seed, desc, device="cpu"):
+    """AdamW with warm-up and cosine decay on MQAR batches of 1..n_pairs_max pairs; loss on the answers."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
+    model.train()
+    for step in (bar := tqdm(range(steps), desc=desc, dynamic_ncols=True, mininterval=0.5)):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * min(1, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        n_pairs = int(torch.randint(1, n_pairs_max + 1, (1,), generator=generator))
+        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
+        loss = F.cross_entropy(iu.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
+        iu.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+
+@torch.inference_mode()
+def recall_accuracy(model, n_pairs, seqlen, n_keys, n_sequences=256, seed=4321):
+    """Fraction of the query answers that the model's argmax gets right, on fixed-seed MQAR sequences."""
+    x, y = mqar_batch(n_sequences, n_pairs, seqlen, n_keys, torch.Generator().manual_seed(seed + n_pairs))
+    device = next(model.parameters(), x).device  # the model's (x's for a model without parameters)
+    predicted = iu.logits_of(model(x.to(device))).argmax(-1).cpu()
+    answers = y != -100
+    return (predicted[answers] == y[answers]).float().mean().item()
+
+
+def recall_rows(args, preset, device, rebuild):
+    """Train (or load) one small model of each kind on MQAR, then accuracy against the number of pairs."""
+    n_keys, seqlen = args.recall_keys, args.recall_seqlen
+    base = dict(RECALL, vocab_size=2 * n_keys, seqlen=seqlen)
+    kinds = {"softmax": (GPTlite, base), **{name: (GPTlite_Linear, linear_config(base, rule, every))
+                                            for name, (rule, every) in RECALL_KINDS.items()}}
+    rows = []
+    for name, (model_class, config) in kinds.items():
+        def train(model):
+            train_recall(model.to(device), args.recall_steps, args.recall_lr, max(args.pairs), seqlen, n_keys, 64,
+                         args.seed, f"recall {name}", device)
+        path = iu.checkpoint_path(f"{preset.name}_recall_{name}_s{args.recall_steps}")
+        model, _ = load_or_train(model_class, config, path, train, args.untrained, args.seed, f"mqar{n_keys}", rebuild)
+        model = model.to(device)
+        rows.append(iu.make_row(name, **{f"acc_{p}_pairs": round(recall_accuracy(model, p, seqlen, n_keys), 3)
+                                         for p in args.pairs}))
+    return rows
+
+
+def plot_results(quality, context, recall, pairs, path, preset, device):
+    fig, (ax_mem, ax_time, ax_recall) = iu.new_figure(3)
+    for name in dict.fromkeys(r["variant"] for r in context):
+        rows = [r for r in context if r["variant"] == name]
+        ax_mem.plot([r["context"] for r in rows], [r["cache_kb"] for r in rows], marker="o", label=name)
+        ax_time.plot([r["context"] for r in rows], [r["tpot_ms"] for r in rows], marker="o", label=name)
+    ax_mem.set(xlabel="context (tokens)", ylabel="cache per sequence (KiB)", xscale="log", yscale="log",
+               title=f"state against KV cache (preset {preset.name})")
+    ax_time.set(xlabel="context (tokens)", ylabel="TPOT (ms)", xscale="log", ylim=(0, None),
+                title=f"greedy decoding after a prompt ({device})")
+    for r in recall:
+        ax_recall.plot(pairs, [r[f"acc_{p}_pairs"] for p in pairs], marker="o", label=r["variant"])
+    ax_recall.set(xlabel="key-value pairs in the context", ylabel="recall accuracy", ylim=(0, 1.02),
+                  title="associative recall (MQAR), small models")
+    for ax in (ax_mem, ax_time, ax_recall):
+        ax.legend()
+    iu.save_plot(fig, path)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    add = parser.add_argument
+    add("--contexts", type=iu.int_at_least(1), nargs="+", default=[128, 256, 512, 1024],
+        help="prompt lengths of the memory and time part (tokens)")
+    add("--batch-size", type=iu.int_at_least(1), default=4, help="sequences decoded together when timing")
+    add("--n-tokens", type=iu.int_at_least(1), default=16, help="decoding steps timed per run")
+    add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    add("--val-batches", type=iu.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
+    add("--pairs", type=iu.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
+        help="numbers of key-value pairs of the recall evaluation (the largest is also the training maximum)")
+    add("--recall-steps", type=iu.int_at_least(1), default=1000, help="training steps of each recall model")
+    add("--recall-lr", type=iu.positive_float, default=3e-3, help="peak learning rate of the recall models")
+    add("--recall-keys", type=iu.int_at_least(2), default=32, help="distinct keys (and values) of the recall task")
+    add("--recall-seqlen", type=iu.int_at_least(4), default=64, help="length of a recall sequence")
+    args = parser.parse_args(argv)
+    args.contexts, args.pairs = sorted(set(args.contexts)), sorted(set(args.pairs))
+
+    def check_args(preset):
+        if max(args.pairs) > args.recall_keys or 2 * max(args.pairs) + 2 > args.recall_seqlen:
+            parser.error(f"--pairs: at most --recall-keys={args.recall_keys} pairs, and 2 * pairs + 2 <= "
+                         f"--recall-seqlen={args.recall_seqlen}; got {max(args.pairs)}")
+    return args, parser, check_args
+
+
+def main(argv=None):
+    args, parser, check_args = parse_args(argv)
+    preset, device, data = iu.setup(args, parser, check_args)
+    if max(args.contexts) >= len(data.val):
+        parser.error(f"--contexts: at most {len(data.val) - 1} tokens (the validation split)")
+    rebuild = iu.rebuild_command("main_linear_attention.py", argv, preset)
+    models, seconds = train_language_models(preset, data, device, args.untrained, args.seed, rebuild)
+    window = iu.sample_prompts(data, 2, preset.seqlen, seed=args.seed, device=device)
+    checks = {name: forms_agree(model, window) for name, model in models.items() if name != "softmax"}
+
+    softmax_loss = iu.validation_loss(models["softmax"], data, args.val_batches)
+    quality = []
+    for name, model in models.items():
+        loss = softmax_loss if name == "softmax" else iu.validation_loss(model, data, args.val_batches)
+        with torch.inference_mode():
+            cache_kb = iu.kv_cache_bytes(model(window[:1])[1]) / 1024
+        quality.append(iu.make_row(name, params=iu.n_params(model), val_loss=loss,
+                                   loss_vs_softmax=round(loss - softmax_loss, 4),
+                                   cache_kb_at_seqlen=round(cache_kb, 1),
+                                   forms_agree="-" if name == "softmax" else ("yes" if checks[name] else "NO"),
+                                   train_s=None if seconds.get(name) is None else round(seconds[name])))
+    failures = [name for name, ok in checks.items() if not ok]
+    if failures:
+        raise iu.GPTliteError(f"checks failed: chunked, recurrent and cached decoding disagree for "
+                              f"{', '.join(failures)}; this is a bug (nothing written)")
+    context = context_rows(models, data, args.contexts, args.batch_size, args.n_tokens, args.repeats, device,
+                           args.seed)
+    recall = recall_rows(args, preset, device, rebuild)
+
+    print(f"\n1. quality: {preset.iters} steps each (batch {preset.batch_size}, lr {preset.lr:g}); cache of one "
+          f"sequence of {preset.seqlen} tokens")
+    iu.print_table(quality, untrained=args.untrained)
+    print(f"\n2. cache per sequence and TPOT after a prompt of each length: batch {args.batch_size}, "
+          f"{args.n_tokens} decoding steps, median of {args.repeats}")
+    iu.print_table(context)
+    print(f"\n3. recall (MQAR): {args.recall_keys} keys, sequences of {args.recall_seqlen}, models "
+          f"{RECALL['n_layers']} layers x {RECALL['n_heads']} heads of {RECALL['d_head']}, {args.recall_steps} "
+          "steps each; accuracy of the answers on 256 sequences per pair count")
+    iu.print_table(recall, untrained=args.untrained)
+    summary = ["checks: chunked = recurrent form and prefill + decoding with the carried state = full pass "
+               f"(atol {ATOL:g}) for " + ", ".join(checks),
+               f"softmax rows beyond {preset.seqlen} tokens: position table extended by its last row, timing only"]
+    print("\n".join(summary))
+    if args.plot:
+        plot_results(quality, context, recall, args.pairs, args.plot, preset, device)
+    if args.json:
+        iu.save_json(args.json, "main_linear_attention.py", preset, device, quality, untrained=args.untrained,
+                     context_rows=context, context_columns=iu.table_columns(context), recall_rows=recall,
+                     recall_columns=iu.table_columns(recall), recall_pairs=args.pairs, checks=checks, summary=summary)
+
+
+if __name__ == "__main__":
+    iu.run(main)

@@ -1,0 +1,288 @@
+"""Linear attention: the chunked form against the recurrent form, both against a recurrence written here
+(the issue's orientation, S of [d_v, d_k]) and against flash-linear-attention's naive references; the
+model's decoding with a carried state against its full pass; the hybrid's softmax blocks against
+GPTlite_KVCache; MQAR batches; clear errors; main_linear_attention.py end to end on random weights."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import inference_utils as iu
+import main_linear_attention as mla
+from conftest import TINY
+from gptlite_kvcache import GPTlite_KVCache
+from gptlite_linear import RULES, GPTlite_Linear, LinearAttention, chunked, recurrent, recurrent_step
+
+ATOL = 1e-5  # float32, unit-scale inputs
+B, H, D = 2, 3, 8
+
+
+def random_inputs(rule, T, seed=0, d_v=D):
+    """q, k, v [B, H, T, D] and log a, b [B, H, T] as the layer makes them for `rule`."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, B, H, T, D, generator=g).unbind(0)
+    v = torch.randn(B, H, T, d_v, generator=g)
+    if rule == "linear":
+        return F.elu(q) + 1, F.elu(k) + 1, v, None, None
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    log_a = F.logsigmoid(torch.randn(B, H, T, generator=g))  # decays of 0.3 .. 0.9: far from 1, a wrong one shows
+    beta = torch.rand(B, H, T, generator=g) if rule == "delta" else None
+    return q, k, v, log_a, beta
+
+
+def reference(q, k, v, log_a, beta, S=None):
+    """The issue's equations, token by token, with S of [d_v, d_k] and o_t = S_t q_t."""
+    out = []
+    S = q.new_zeros(B, H, v.shape[-1], q.shape[-1]) if S is None else S.transpose(-1, -2)
+    for t in range(q.shape[2]):
+        q_t, k_t, v_t = q[:, :, t, :, None], k[:, :, t, :, None], v[:, :, t, :, None]  # columns
+        a = 1.0 if log_a is None else log_a[:, :, t, None, None].exp()
+        if beta is None:
+            S = a * S + v_t @ k_t.transpose(-1, -2)
+        else:
+            b = beta[:, :, t, None, None]
+            S = a * S - b * (a * S @ k_t - v_t) @ k_t.transpose(-1, -2)
+        out.append((S @ q_t)[..., 0])
+    return torch.stack(out, dim=2), S.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("T,chunk_size", [(32, 16), (37, 16), (5, 16), (24, 1)])
+def test_chunked_equals_recurrent_equals_reference(rule, T, chunk_size):
+    q, k, v, log_a, beta = random_inputs(rule, T)
+    S0 = torch.randn(B, H, D, D, generator=torch.Generator().manual_seed(9)) * 0.1  # a carried state
+    o_ref, S_ref = reference(q, k, v, log_a, beta, S0)
+    o_rec, S_rec = recurrent(q, k, v, log_a, beta, S0)
+    o_chk, S_chk = chunked(q, k, v, log_a, beta, S0, chunk_size)
+    torch.testing.assert_close(o_rec, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(o_chk, o_ref, atol=ATOL * (10 if rule == "linear" else 1), rtol=1e-5)
+    torch.testing.assert_close(S_chk, S_rec, atol=ATOL * (10 if rule == "linear" else 1), rtol=1e-5)
+
+
+def test_the_rules_differ():
+    """The three recurrences are different maps (a test that cannot fail on a shared bug would be void)."""
+    q, k, v, log_a, beta = random_inputs("delta", 20)
+    plain = recurrent(q, k, v)[0]
+    gated = recurrent(q, k, v, log_a)[0]
+    delta = recurrent(q, k, v, log_a, beta)[0]
+    assert (plain - gated).abs().max() > 0.1 and (gated - delta).abs().max() > 0.1
+
+
+def to_fla(x):
+    return x.transpose(1, 2).contiguous()  # [B, H, T, ...] -> fla's [B, T, H, ...]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_against_fla_naive_references(rule):
+    """flash-linear-attention's naive PyTorch references (CPU): scale 1 (our queries are feature-mapped or
+    unit-norm, no 1/sqrt(d)), gates as log decays, [B, T, H, D] layout, state [B, H, d_k, d_v] as ours."""
+    pytest.importorskip("fla")
+    q, k, v, log_a, beta = random_inputs(rule, 40)
+    if rule == "linear":
+        from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
+        o, S = naive_recurrent_linear_attn(*map(to_fla, (q, k, v)), scale=1.0, output_final_state=True)
+    elif rule == "gated":
+        from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+        o, S = naive_recurrent_simple_gla(*map(to_fla, (q, k, v, log_a)), scale=1.0, output_final_state=True)
+    else:
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+        o, S = naive_recurrent_gated_delta_rule(*map(to_fla, (q, k, v)), beta=to_fla(beta), g=to_fla(log_a),
+                                                scale=1.0, output_final_state=True)
+    o_chk, S_chk = chunked(q, k, v, log_a, beta, chunk_size=16)
+    torch.testing.assert_close(o_chk, o.transpose(1, 2), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(S_chk, S, atol=1e-4, rtol=1e-5)
+
+
+def random_model(rule, hybrid_every=None, chunk_size=4, seed=0, **config):
+    """TINY GPTlite_Linear with every parameter from N(0, 0.5), as conftest's tiny_models."""
+    torch.manual_seed(seed)
+    model = GPTlite_Linear(**dict(TINY, **config), rule=rule, hybrid_every=hybrid_every, chunk_size=chunk_size)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+KINDS = [("linear", None), ("gated", None), ("delta", None), ("delta", 2), ("gated", 2)]
+
+
+@pytest.mark.parametrize("rule,hybrid_every", KINDS)
+@pytest.mark.parametrize("chunk_size,T", [(4, 16), (5, 16), (32, 16)])
+@torch.inference_mode()
+def test_model_decoding_with_state_equals_full_pass(rule, hybrid_every, chunk_size, T):
+    model = random_model(rule, hybrid_every, chunk_size)
+    x = torch.randint(TINY["vocab_size"], (2, T), generator=torch.Generator().manual_seed(1))
+    full, _ = model(x)
+    recurrent_form, _ = model(x, form="recurrent")
+    logits, cache = model(x[:, :7])  # prefill a length no chunk size divides, then one token at a time
+    steps = [logits]
+    for t in range(7, T):
+        logits, cache = model(x[:, t:t + 1], cache)
+        steps.append(logits)
+    torch.testing.assert_close(recurrent_form, full, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-5)
+    assert iu.cached_matches_full(model, x)
+
+
+@torch.inference_mode()
+def test_state_is_constant_and_kv_cache_grows():
+    model = random_model("delta", hybrid_every=2)  # block 0 linear, block 1 softmax
+    x = torch.randint(TINY["vocab_size"], (1, 40))
+    _, short = model(x[:, :10])
+    _, long = model(x)
+    assert short[0].shape == long[0].shape == (1, TINY["n_heads"], TINY["d_head"], TINY["d_head"])
+    assert short[1][0].shape[2] == 10 and long[1][0].shape[2] == 40  # (keys, values) [B, H, T, D]
+    assert len(x[0]) > TINY["seqlen"]  # no position table: longer than the training window runs
+
+
+@torch.inference_mode()
+def test_hybrid_softmax_blocks_are_cached_like_gptlite_kvcache():
+    """hybrid_every=1: every block softmax, no positions; GPTlite_KVCache with the same weights and a zero
+    position table gives the same logits and the same per-layer (keys, values), prefill and decode."""
+    model = random_model("delta", hybrid_every=1)
+    reference = GPTlite_KVCache(**TINY).eval()
+    state = dict(model.state_dict(), **{"position_embedding.weight": torch.zeros(TINY["seqlen"], TINY["d_model"])})
+    reference.load_state_dict(state)
+    x = torch.randint(TINY["vocab_size"], (2, TINY["seqlen"]), generator=torch.Generator().manual_seed(2))
+    ours, ours_cache = model(x[:, :10])
+    theirs, theirs_cache = reference(x[:, :10])
+    for t in range(10, x.shape[1]):
+        step, ours_cache = model(x[:, t:t + 1], ours_cache)
+        ref_step, theirs_cache = reference(x[:, t:t + 1], theirs_cache)
+        ours, theirs = torch.cat([ours, step], 1), torch.cat([theirs, ref_step], 1)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    for (k, v), (k_ref, v_ref) in zip(ours_cache, theirs_cache):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_hybrid_layout_every_fourth_block():
+    model = random_model("delta", hybrid_every=4, n_layers=8)
+    kinds = [type(b).__name__ for b in model.blocks]
+    assert kinds == ["LinearBlock"] * 3 + ["Block_KVCache"] + ["LinearBlock"] * 3 + ["Block_KVCache"]
+
+
+def test_model_trains():
+    """A few AdamW steps lower the loss of each rule (the chunked form has gradients)."""
+    torch.manual_seed(0)
+    x = torch.randint(TINY["vocab_size"], (4, TINY["seqlen"]))
+    for rule in RULES:
+        model = GPTlite_Linear(**TINY, rule=rule, chunk_size=4).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(5):
+            loss = iu.cross_entropy_loss(model, x[:, :-1], x[:, 1:])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0], rule
+
+
+def test_bad_configuration_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown rule 'mamba'"):
+        GPTlite_Linear(**TINY, rule="mamba")
+    with pytest.raises(ValueError, match="hybrid_every must be"):
+        GPTlite_Linear(**TINY, rule="delta", hybrid_every=0)
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        GPTlite_Linear(**TINY, rule="delta", chunk_size=0)
+    layer = LinearAttention(32, 3, 8, 0.0, "gated")
+    with pytest.raises(ValueError, match="start with state=None"):
+        layer(torch.zeros(2, 3, 32), torch.zeros(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="form must be"):
+        layer(torch.zeros(2, 3, 32), form="parallel")
+    model = random_model("delta")
+    with pytest.raises(ValueError, match="the cache has 1 layers"):
+        model(torch.zeros(1, 1, dtype=torch.long), [None])
+
+
+def test_recurrent_step_is_one_token_of_recurrent():
+    q, k, v, log_a, beta = random_inputs("delta", 1)
+    o, S = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], log_a[:, :, 0], beta[:, :, 0], q.new_zeros(B, H, D, D))
+    o_ref, S_ref = reference(q, k, v, log_a, beta)
+    torch.testing.assert_close(o, o_ref[:, :, 0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(S, S_ref, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# main_linear_attention.py
+
+def test_mqar_batch_targets_are_the_paired_values():
+    x, y = mla.mqar_batch(16, 5, 21, 8, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (16, 21)
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        pairs = dict(zip(row_x[0:10:2], row_x[1:10:2]))
+        assert len(pairs) == 5 and all(key < 8 <= value < 16 for key, value in pairs.items())
+        answers = [(i, t) for i, t in enumerate(row_y) if t != -100]
+        assert [i for i, _ in answers] == [10, 12, 14, 16, 18]  # (21 - 10) // 2 = 5 queries, one pad token
+        assert all(row_x[i] in pairs and pairs[row_x[i]] == t == row_x[i + 1] for i, t in answers)
+        assert row_x[20] == 0
+
+
+def test_mqar_batch_bad_pairs():
+    with pytest.raises(ValueError, match="n_pairs must be between 1 and n_keys=8"):
+        mla.mqar_batch(2, 9, 64, 8)
+    with pytest.raises(ValueError, match="room for a query"):
+        mla.mqar_batch(2, 4, 9, 8)
+
+
+def test_recall_accuracy_of_a_perfect_and_a_blind_model():
+    class Oracle(torch.nn.Module):  # reads the answer from the next input token: accuracy 1
+        def forward(self, x):
+            return F.one_hot(torch.roll(x, -1, dims=1), 16).float()
+    assert mla.recall_accuracy(Oracle(), 4, 16, 8) == 1.0
+
+    class Blind(torch.nn.Module):  # always token 0, a key: accuracy 0
+        def forward(self, x):
+            return F.one_hot(torch.zeros_like(x), 16).float()
+    assert mla.recall_accuracy(Blind(), 4, 16, 8) == 0.0
+
+
+def test_load_or_train_saves_then_reuses(tmp_path):
+    config = dict(TINY, rule="gated", hybrid_every=None)
+    path = tmp_path / "tiny_linear.pt"
+    trained = []
+
+    def train(model):
+        trained.append(True)
+        with torch.no_grad():
+            model.fc_out.bias.fill_(0.25)
+    model, seconds = mla.load_or_train(GPTlite_Linear, config, path, train, False, 0, "vocab", "python rebuild")
+    again, seconds_again = mla.load_or_train(GPTlite_Linear, config, path, train, False, 0, "vocab", "python rebuild")
+    assert trained == [True] and seconds is not None and seconds_again is None
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(iu.CheckpointError, match="another configuration"):
+        mla.load_or_train(GPTlite_Linear, dict(config, rule="delta"), path, train, False, 0, "vocab", "x")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pairs", "40"], "at most --recall-keys"),
+    (["--contexts", "0"], "must be at least 1"),
+    (["--recall-steps", "0"], "must be at least 1"),
+    (["--recall-lr", "nan"], "finite number"),
+    (["--plot", "out.txt"], "ending in .png"),
+])
+def test_bad_flags_are_clear_errors(flags, message, capsys, real_data):
+    with pytest.raises(SystemExit):
+        mla.main(flags + ["--untrained", "--data", real_data_path()])
+    assert message in capsys.readouterr().err
+
+
+def real_data_path():
+    return os.environ["GPTLITE_DATA"]  # set: the real_data fixture skips the test otherwise
+
+
+def test_main_end_to_end_untrained(tmp_path, real_data):
+    out = tmp_path / "linear.json"
+    mla.main(["--untrained", "--data", real_data_path(), "--contexts", "8", "200", "--batch-size", "1",
+              "--n-tokens", "2", "--repeats", "1", "--val-batches", "1", "--pairs", "1", "3", "--recall-steps", "1",
+              "--recall-seqlen", "8", "--recall-keys", "4", "--json", str(out), "--plot", str(tmp_path / "linear.png")])
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["rows"]] == ["softmax", "linear", "gated", "delta", "hybrid"]
+    assert all(result["checks"].values())
+    by_context = {(r["variant"], r["context"]): r["cache_kb"] for r in result["context_rows"]}
+    assert by_context[("delta", 8)] == by_context[("delta", 200)]  # constant state
+    assert by_context[("softmax", 200)] == pytest.approx(25 * by_context[("softmax", 8)])  # KV cache: linear
+    assert by_context[("hybrid", 8)] < by_context[("hybrid", 200)]
+    assert len(result["recall_rows"]) == 5 and (tmp_path / "linear.png").stat().st_size > 0
