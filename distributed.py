@@ -128,15 +128,16 @@ def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=
     """Run `script` on `nproc` local processes with torchrun (`python -m torch.distributed.run
     --standalone`: a free port, no other setup) and return the CompletedProcess (stdout and stderr as
     text when `capture`, else they go to this process's). A run that exceeds `timeout_s` (None: no
-    limit) is killed with all its workers and raises GPTliteError. Each worker gets OMP_NUM_THREADS=1
-    unless `env` or the environment sets it."""
+    limit) is killed with all its workers and raises GPTliteError. The workers run in `cwd` (default:
+    this process's), so relative paths in `args` mean what they meant here. Each worker gets
+    OMP_NUM_THREADS=1 unless `env` or the environment sets it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(script), *map(str, args)]
+           str(Path(script).resolve()), *map(str, args)]  # relative paths in `args` stay the caller's
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     pipe = subprocess.PIPE if capture else None
     # a session of its own: on a timeout the whole process group (torchrun and its workers) is killed
     with subprocess.Popen(cmd, stdout=pipe, stderr=pipe, stdin=subprocess.DEVNULL, text=True, env=full_env,
-                          cwd=cwd or Path(script).resolve().parent, start_new_session=True) as proc:
+                          cwd=cwd, start_new_session=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
