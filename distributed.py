@@ -11,6 +11,7 @@ The API, small on purpose (everything else is plain torch.distributed):
                                              device or the backend is not there (before any work)
     launched() -> bool                       True under torchrun (RANK and WORLD_SIZE are set)
     world_size() -> int                      torchrun's WORLD_SIZE, else 1 (readable before init)
+    rank() -> int                            torchrun's RANK, else 0 (readable before init)
     init(device, timeout_s) -> Dist          join the process group (a group of one without
                                              torchrun); Dist(rank, world_size, local_rank, device,
                                              backend); a collective that waits longer than timeout_s
@@ -80,6 +81,11 @@ def world_size():
     return int(os.environ["WORLD_SIZE"]) if launched() else 1
 
 
+def rank():
+    """This process's rank as torchrun set it (0 without torchrun), known before init."""
+    return int(os.environ["RANK"]) if launched() else 0
+
+
 def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S):
     """Join the process group with the backend of `device`: under torchrun its world, else a group of
     one process (a HashStore: no port to open). On CUDA each process takes cuda:LOCAL_RANK.
@@ -130,7 +136,8 @@ def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=
     text when `capture`, else they go to this process's). A run that exceeds `timeout_s` (None: no
     limit) is killed with all its workers and raises GPTliteError. The workers run in `cwd` (default:
     this process's), so relative paths in `args` mean what they meant here. Each worker gets
-    OMP_NUM_THREADS=1 unless `env` or the environment sets it."""
+    OMP_NUM_THREADS=1 unless `env` or the environment sets it. (torchrun's parser reads the script's
+    flags too: a flag that abbreviates one of torchrun's, such as --nproc, is refused as ambiguous.)"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(script).resolve()), *map(str, args)]  # relative paths in `args` stay the caller's
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
