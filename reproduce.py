@@ -76,6 +76,10 @@ RUNS = [
     Run("main_pruning", "main_pruning.py", "docs/smaller_models.md", "pruning",
         "validation loss against distillation steps, pruned and from random weights",
         quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),
+    # 2 gloo processes: the script starts torchrun itself (--ranks 2), as `torchrun --nproc-per-node 2` would
+    Run("main_tensor_parallel", "main_tensor_parallel.py", "docs/distributed.md", "tensor_parallel",
+        "time of prefill and decoding steps relative to one rank of one thread, the all-reduce hatched",
+        args=("--ranks", "2"), quick=("--batch-size", "4", "--n-tokens", "4", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -418,12 +422,22 @@ def pruning_headline(r):
             f"{random_prune['val_pruned']:.2f} at random")
 
 
+def tensor_parallel_headline(r):
+    one, tp = find(r, "1 rank x 1 thread"), find(r, f"{r['world_size']} ranks")
+    return (f"tensor parallelism, {r['world_size']} {r['backend']} ranks of {r['threads']} thread(s), batch {tp['batch']}",
+            f"TP against 1 rank x 1 thread: prefill {x(one['prefill_ms'], tp['prefill_ms'], '{:.2f}x')}, TPOT at "
+            f"batch 1 {x(one['tpot_b1_ms'], tp['tpot_b1_ms'], '{:.2f}x')}, at batch {tp['batch']} "
+            f"{x(one['tpot_bB_ms'], tp['tpot_bB_ms'], '{:.2f}x')} (above 1: faster); all-reduce "
+            f"{num(tp['ar_b1'], '{:.0f}')}% of a batch-1 step; logits within 1e-5, identical tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
-             "main_distillation": distillation_headline, "main_pruning": pruning_headline}
+             "main_distillation": distillation_headline, "main_pruning": pruning_headline,
+             "main_tensor_parallel": tensor_parallel_headline}
 
 
 def summary_block(results):
