@@ -424,11 +424,11 @@ def pruning_headline(r):
 
 def tensor_parallel_headline(r):
     one, tp = find(r, "1 rank x 1 thread"), find(r, f"{r['world_size']} ranks")
-    return (f"tensor parallelism, {r['world_size']} {r['backend']} ranks of {r['threads']} thread(s), batch {tp['batch']}",
+    return (f"tensor parallelism, {r['world_size']} {r['backend']} ranks of {r['threads']} thread(s)",
             f"TP against 1 rank x 1 thread: prefill {x(one['prefill_ms'], tp['prefill_ms'], '{:.2f}x')}, TPOT at "
             f"batch 1 {x(one['tpot_b1_ms'], tp['tpot_b1_ms'], '{:.2f}x')}, at batch {tp['batch']} "
             f"{x(one['tpot_bB_ms'], tp['tpot_bB_ms'], '{:.2f}x')} (above 1: faster); all-reduce "
-            f"{num(tp['ar_b1'], '{:.0f}')}% of a batch-1 step; logits within 1e-5, identical tokens")
+            f"{num(tp['ar_b1'], '{:.0f}')}% of a batch-1 step; max |logits diff| {r['logits_max_diff']:.0e}, identical tokens")
 
 
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
