@@ -99,6 +99,10 @@ RUNS = [
         "cache per sequence and TPOT against context, recall accuracy against key-value pairs",
         quick=("--contexts", "128", "256", "--n-tokens", "4", "--repeats", "1", "--val-batches", "2",
                "--recall-steps", "2")),
+    # 2 gloo processes: the script starts torchrun itself (--ranks 2), as `torchrun --nproc-per-node 2` would
+    Run("main_tensor_parallel", "main_tensor_parallel.py", "docs/distributed.md", "tensor_parallel",
+        "time of prefill and decoding steps relative to one rank of one thread, the all-reduce hatched",
+        args=("--ranks", "2"), quick=("--batch-size", "4", "--n-tokens", "4", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -529,6 +533,15 @@ def linear_headline(r):
                                                     for name, row in recall.items()))
 
 
+def tensor_parallel_headline(r):
+    one, tp = find(r, "1 rank x 1 thread"), find(r, f"{r['world_size']} ranks")
+    return (f"tensor parallelism, {r['world_size']} {r['backend']} ranks of {r['threads']} thread(s)",
+            f"TP against 1 rank x 1 thread: prefill {x(one['prefill_ms'], tp['prefill_ms'], '{:.2f}x')}, TPOT at "
+            f"batch 1 {x(one['tpot_b1_ms'], tp['tpot_b1_ms'], '{:.2f}x')}, at batch {tp['batch']} "
+            f"{x(one['tpot_bB_ms'], tp['tpot_bB_ms'], '{:.2f}x')} (above 1: faster); all-reduce "
+            f"{num(tp['ar_b1'], '{:.0f}')}% of a batch-1 step; max |logits diff| {r['logits_max_diff']:.0e}, identical tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
@@ -540,7 +553,8 @@ HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headl
              "main_moba": moba_headline,
              "main_sparse_attention": sparse_headline,
              "main_continuous_batching_prefix_sharing": prefix_sharing_headline,
-             "main_linear_attention": linear_headline}
+             "main_linear_attention": linear_headline,
+             "main_tensor_parallel": tensor_parallel_headline}
 
 
 def summary_block(results):

@@ -1,0 +1,256 @@
+"""Tensor parallelism: GPTlite split across N processes, Megatron-style, on torch.distributed.
+
+    python main_tensor_parallel.py                          # N = 1: one process (it says how to launch more)
+    torchrun --nproc-per-node 2 main_tensor_parallel.py     # N = 2 processes on this machine (gloo on CPU)
+    python main_tensor_parallel.py --ranks 2                # the same: the script starts torchrun itself
+    python main_tensor_parallel.py --ranks 2 --untrained --batch-size 4 --n-tokens 4 --repeats 1   # smoke run
+
+Across machines, torchrun's rendezvous flags (--nnodes, --node-rank, --rdzv-backend c10d,
+--rdzv-endpoint): see docs/distributed.md.
+
+Blog section: "Tensor parallelism". Every rank cuts its shard from the same trained checkpoint
+(gptlite_tp.shard_state_dict): the query, key and value projections split by heads and the MLP's first
+layer by neurons (column-parallel), the attention's output projection and the MLP's second layer split
+the other way (row-parallel), two all-reduces per block; embeddings, LayerNorms and the head replicated.
+Each rank's KV cache holds its heads only. Backend by device: gloo on CPU, NCCL on CUDA.
+
+Checks first, on every rank: the N-rank logits equal the single-process model's (float32, atol 1e-5)
+and its greedy tokens with the KV cache are identical. Nothing is timed or written unless both hold.
+
+Then, round-robin, the variants (figures of rank 0; ranks not in a variant wait in a barrier, which
+does not spin):
+- 1 rank x T threads: the single-process model (T = --threads, 1 by default, as every rank has);
+- 1 rank x N*T threads: the same model with the threads of all N ranks together: equal CPU;
+- N ranks x T threads: the tensor-parallel model.
+Per variant: weights and KV cache (full window, the large batch) per rank, the prefill time of a batch
+of prompts, TPOT at batch 1 and at the large batch, and the all-reduce share of each (wall time inside
+dist.all_reduce, waiting for the slower rank included, over the step's time) with its bytes per token.
+"""
+import argparse
+import contextlib
+import io
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import distributed
+import inference_utils as iu
+from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, decode_n_tokens, generate_kvcache, prefill
+from gptlite_tp import RowParallelLinear, shard_state_dict  # noqa: F401 (the post's listing)
+from gptlite_tp import check_tp_size, tensor_parallel_model
+
+ATOL = 1e-5  # float32 logits: the N partial sums are added in another order
+WORKLOADS = ("prefill", "b1", "bB")  # a batch of prompts; one decode step at batch 1; at the large batch
+
+
+@torch.inference_mode()
+def tp_matches_single(tp, single, window, prompts, n_tokens, seqlen):
+    """Max |logits difference| on `window` [B, S] and whether the greedy cached tokens are identical."""
+    diff = (tp(window)[0] - single(window)[0]).abs().max().item()
+    same = torch.equal(generate_kvcache(tp, prompts, n_tokens, seqlen),
+                       generate_kvcache(single, prompts, n_tokens, seqlen))
+    return diff, same
+
+
+def agree(diff, same, device):
+    """The worst figures over the ranks, so that every rank stops if any failed."""
+    worst = torch.tensor([diff, 0.0 if same else 1.0], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst[0].item(), worst[1].item() == 0.0
+
+
+def timed(fn, model, device):
+    """Wall time of fn(), and the all-reduce seconds and bytes it spent (0 for the single-process model)."""
+    counts = getattr(model, "all_reduce", None)
+    if counts is not None:
+        counts.reset()
+    with iu.Timer(device) as t:
+        fn()
+    return (t.seconds, counts.seconds, counts.nbytes) if counts is not None else (t.seconds, 0.0, 0)
+
+
+@torch.inference_mode()
+def run_workloads(model, prompts, n_tokens, seqlen, device):
+    """{workload: (seconds, all-reduce seconds, all-reduce bytes, tokens)}: the prefill of `prompts`
+    [B, S], and n_tokens decode steps (after an untimed prefill) at batch 1 and at batch B, per step."""
+    out = {"prefill": timed(lambda: prefill(model, prompts, None, seqlen), model, device) + (prompts.numel(),)}
+    for workload, batch in (("b1", prompts[:1]), ("bB", prompts)):
+        token, cache = prefill(model, batch, None, seqlen)
+        seconds, ar_seconds, nbytes = timed(lambda: decode_n_tokens(model, token, cache, n_tokens, seqlen),
+                                            model, device)
+        out[workload] = (seconds / n_tokens, ar_seconds / n_tokens, nbytes, batch.shape[0] * n_tokens)
+    return out
+
+
+def measure_variants(variants, rank, prompts, n_tokens, seqlen, device, repeats):
+    """Round-robin over {name: (model, ranks, threads)}, a warm-up round first: {name: [samples]}."""
+    samples = {name: [] for name in variants}
+    for i in tqdm(range(repeats + 1), desc="timing (round 0: warm-up)", disable=rank != 0, dynamic_ncols=True):
+        for name, (model, ranks, threads) in variants.items():
+            dist.barrier()  # every rank starts each variant together; the others wait here
+            if rank < ranks:
+                torch.set_num_threads(threads)
+                result = run_workloads(model, prompts, n_tokens, seqlen, device)
+                if i > 0:
+                    samples[name].append(result)
+    dist.barrier()
+    return samples
+
+
+def figures(samples):
+    """Medians of one variant's samples: time (ms), all-reduce share (%), all-reduce KB per token."""
+    row = {}
+    for workload in WORKLOADS:
+        runs = [s[workload] for s in samples]
+        row[workload] = statistics.median(s[0] for s in runs) * 1e3
+        row[f"ar_{workload}"] = statistics.median(s[1] / s[0] for s in runs) * 100
+    _, _, nbytes, tokens = samples[-1]["bB"]
+    row["ar_kb"] = nbytes / tokens / 1024  # the same for every workload: 2 outputs of d_model floats per block
+    return row
+
+
+def make_rows(variants, samples, batch_size):
+    rows = []
+    for name, (model, ranks, threads) in variants.items():
+        f = figures(samples[name])
+        kv_mb = StaticKVCache.for_model(model, batch_size).nbytes / 2**20  # a full window of seqlen tokens
+        tp = ranks > 1
+        rows.append(iu.make_row(
+            name, ranks=ranks, threads=threads, batch=batch_size, weight_mb=round(iu.model_size_mb(model), 3),
+            kv_mb=round(kv_mb, 3), prefill_ms=round(f["prefill"], 2), tpot_b1_ms=round(f["b1"], 3),
+            tpot_bB_ms=round(f["bB"], 3), ar_prefill=round(f["ar_prefill"], 1) if tp else None,
+            ar_b1=round(f["ar_b1"], 1) if tp else None, ar_bB=round(f["ar_bB"], 1) if tp else None,
+            ar_KB_per_token=round(f["ar_kb"], 2) if tp else None))
+    return rows
+
+
+def speedups(rows):
+    """The tensor-parallel row against each single-process row: time of the single / time of the TP."""
+    tp = rows[-1]
+    return [f"{tp['variant']} against {r['variant']}: prefill {iu.ratio(r['prefill_ms'], tp['prefill_ms']):.2f}x, "
+            f"TPOT batch 1 {iu.ratio(r['tpot_b1_ms'], tp['tpot_b1_ms']):.2f}x, TPOT batch {r['batch']} "
+            f"{iu.ratio(r['tpot_bB_ms'], tp['tpot_bB_ms']):.2f}x (above 1: the split is faster)" for r in rows[:-1]]
+
+
+def plot_results(rows, path, preset, device):
+    fig, ax = iu.new_figure()
+    labels = ["prefill", "TPOT batch 1", f"TPOT batch {rows[0]['batch']}"]
+    keys = [("prefill_ms", "ar_prefill"), ("tpot_b1_ms", "ar_b1"), ("tpot_bB_ms", "ar_bB")]
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        rel = [row[t] / rows[0][t] for t, _ in keys]  # relative to the first row (1 rank, T threads)
+        share = [(row[a] or 0) / 100 for _, a in keys]
+        xs = [j + i * width for j in range(len(keys))]
+        bars = ax.bar(xs, [r * (1 - s) for r, s in zip(rel, share)], width, label=row["variant"])
+        if any(share):
+            ax.bar(xs, [r * s for r, s in zip(rel, share)], width, bottom=[r * (1 - s) for r, s in zip(rel, share)],
+                   color=bars[0].get_facecolor(), alpha=0.4, hatch="//", label=f"{row['variant']}: all-reduce")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], labels)
+    ax.set(ylabel=f"time / time of {rows[0]['variant']}",
+           title=f"tensor parallelism, preset {preset.name} ({device}, {'gloo' if device.type == 'cpu' else 'NCCL'})")
+    ax.legend(fontsize=8)
+    iu.save_plot(fig, path)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    add = parser.add_argument
+    add("--ranks", type=iu.int_at_least(1), default=1,
+        help="processes on this machine: with N > 1 the script starts itself under torchrun "
+             "(= torchrun --nproc-per-node N main_tensor_parallel.py); under torchrun: its world size")
+    add("--threads", type=iu.int_at_least(1), default=1, help="torch threads per rank (and of the 1-rank baseline)")
+    add("--batch-size", type=iu.int_at_least(1), default=64, help="the large batch: prompts prefilled and decoded")
+    add("--prompt-len", type=iu.int_at_least(1), default=64, help="prompt length in characters")
+    add("--n-tokens", type=iu.int_at_least(1), default=32, help="decode steps timed per TPOT figure")
+    add("--repeats", type=iu.int_at_least(1), default=5, help="timed rounds (median, after a warm-up round)")
+    add("--timeout", type=iu.int_at_least(1), default=60,
+        help="seconds a rank waits for a peer in a collective before it stops with an error")
+    args = parser.parse_args(argv)
+    world = distributed.world_size() if distributed.launched() else args.ranks
+    if distributed.launched() and args.ranks not in (1, world):
+        parser.error(f"--ranks {args.ranks} differs from torchrun's {world} processes; give one or the other")
+
+    def check_args(preset):
+        try:
+            check_tp_size(preset.n_heads, 4 * preset.d_model, world)
+        except ValueError as e:
+            parser.error(f"--ranks (or torchrun's --nproc-per-node): {e}")
+        device = iu.get_device(args.device)
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            parser.error(f"{world} processes need {world} CUDA devices on this machine (NCCL: one GPU per rank); "
+                         f"it has {torch.cuda.device_count()}")
+        if world > 1 and not args.untrained and not iu.checkpoint_path(preset.name).exists():
+            parser.error(f"no checkpoint {iu.checkpoint_path(preset.name)}: train it once first with "
+                         f"{iu.gptlite_command(preset.name)} (N ranks would each train one)")
+    return args, parser, check_args, world
+
+
+def main(argv=None):
+    args, parser, check_args, world = parse_args(argv)
+    if world > 1 and not distributed.launched():  # every flag checked here, then torchrun starts the N ranks
+        with contextlib.redirect_stdout(io.StringIO()):  # rank 0 says it again
+            iu.setup(args, parser, check_args)
+        rc = distributed.launch(__file__, sys.argv[1:] if argv is None else argv, world, timeout_s=None,
+                                capture=False).returncode
+        if rc != 0:
+            raise iu.GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
+                                  "(torchrun's summary names it)")
+        return
+    rank0 = not distributed.launched() or distributed.rank() == 0
+    with contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO()):  # rank 0 speaks
+        preset, device, data = iu.setup(args, parser, check_args)
+        d = distributed.init(device, args.timeout)
+        torch.set_num_threads(args.threads)
+        with distributed.collective_errors(args.timeout):
+            experiment(args, preset, d, data)
+    distributed.shutdown()
+
+
+def experiment(args, preset, d, data):
+    single = iu.load_model(GPTlite_KVCache, preset, d.device, data, untrained=args.untrained, seed=args.seed)
+    tp = tensor_parallel_model(single.state_dict(), preset.model_config(), d.rank, d.world_size)
+    window = iu.sample_prompts(data, 8, preset.seqlen, seed=args.seed, device=d.device)  # full windows
+    prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=d.device)
+    diff, same = agree(*tp_matches_single(tp, single, window, window[:, :args.prompt_len], args.n_tokens,
+                                          preset.seqlen), d.device)
+    checks = [f"{d.world_size} rank(s) against the single-process model: max |logits diff| {diff:.1e} "
+              f"(atol {ATOL:g}, float32); greedy cached tokens identical: {'yes' if same else 'NO'}"]
+    print(checks[0])
+    if diff > ATOL or not same:
+        raise iu.GPTliteError(f"the tensor-parallel model differs from the single-process model ({checks[0]}); "
+                              "this is a bug (nothing timed or written)")
+
+    T, N = args.threads, d.world_size
+    variants = {f"1 rank x {T} thread{'s' * (T > 1)}": (single, 1, T)}
+    if N > 1:
+        variants[f"1 rank x {N * T} threads (equal CPU)"] = (single, 1, N * T)
+        variants[f"{N} ranks x {T} thread{'s' * (T > 1)} (TP)"] = (tp, N, T)
+    samples = measure_variants(variants, d.rank, prompts, args.n_tokens, preset.seqlen, d.device, args.repeats)
+    if d.rank != 0:
+        return
+    rows = make_rows(variants, samples, args.batch_size)
+    print(f"\n{N} rank(s), backend {d.backend}; prefill: {args.batch_size} prompts of {args.prompt_len}; TPOT: one "
+          f"decode step, median over {args.repeats} rounds of {args.n_tokens} steps, at batch 1 and at batch "
+          f"{args.batch_size} (bB); weights and KV cache per rank (the KV cache at a full window of {preset.seqlen})")
+    iu.print_table(rows, untrained=args.untrained)
+    summary = checks + [
+        "figures of rank 0. ar_*: the share (%) of each step's time spent in dist.all_reduce (waiting for the "
+        "slower rank included); ar_KB_per_token: the all-reduce payload per token (2 per block, d_model floats each)"]
+    summary += speedups(rows) if N > 1 else [
+        "one process: launch N ranks with `torchrun --nproc-per-node N main_tensor_parallel.py` (or --ranks N)"]
+    print("\n".join(summary[1:]))
+    if args.plot:
+        plot_results(rows, args.plot, preset, d.device)
+    if args.json:
+        iu.save_json(args.json, "main_tensor_parallel.py", preset, d.device, rows, untrained=args.untrained,
+                     world_size=N, backend=d.backend, threads=T, logits_max_diff=diff, tokens_identical=same,
+                     summary=summary)
+
+
+if __name__ == "__main__":
+    iu.run(main)
