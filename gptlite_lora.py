@@ -242,18 +242,19 @@ def speakers_by_text(text):
     return sorted(counts, key=counts.get, reverse=True)
 
 
-def speaker_data(data, speaker, seqlen, min_windows=20):
-    """An iu.Data of one speaker's turns (the whole corpus): its first 90% to train on, its last 10% to
-    validate on. An unknown name or too little text is a clear error."""
-    text = data.decode(torch.cat([data.train, data.val]).tolist())
+def speaker_data(data, speaker, seqlen, min_windows=8):
+    """An iu.Data of one speaker's turns in tiny Shakespeare's validation split (text the base model never
+    trained on): the first 80% to fine-tune on, the last 20% to validate on. An unknown name or too little
+    text is a clear error."""
+    text = data.decode(data.val.tolist())
     turns = speaker_turns(text, speaker)
     if not turns:
-        raise iu.GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare (names are upper case as in the text); "
-                              f"the most lines: {', '.join(speakers_by_text(text)[:8])}")
-    n_train = int(0.9 * len(turns))
+        raise iu.GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare's validation split (names are upper case "
+                              f"as in the text); the most lines: {', '.join(speakers_by_text(text)[:8])}")
+    n_train = int(0.8 * len(turns))
     if len(turns) - n_train < min_windows + seqlen + 1:
-        raise iu.GPTliteError(f"speaker {speaker!r} has {len(turns):,} characters, too few for a validation split "
-                              f"of windows of {seqlen}; pick one with more lines, e.g. "
+        raise iu.GPTliteError(f"speaker {speaker!r} has {len(turns):,} characters in the validation split, too few "
+                              f"for held-out windows of {seqlen}; pick one with more lines, e.g. "
                               f"{', '.join(speakers_by_text(text)[:4])}")
     tokens = torch.tensor(data.encode(turns))
     return iu.Data(vocab=data.vocab, train=tokens[:n_train], val=tokens[n_train:])

@@ -4,11 +4,11 @@
     python main_multi_lora.py --rank 16 --targets query_proj value_proj --json lora.json --plot lora.png
     python main_multi_lora.py --untrained --lora-steps 2 --n-tokens 8 --repeats 1   # a quick smoke run
 
-Blog section: beyond the post, "Multi-LoRA serving" (S-LoRA, Punica). One LoRA adapter per speaker of
-tiny Shakespeare (--speakers; rank and target modules as flags, the attention projections by default)
-is fine-tuned with peft on that speaker's turns and saved as checkpoints/<preset>_lora_<speaker>_r<rank>_<targets>.pt;
-later runs load it. Each adapter's validation loss on its speaker's held-out lines is compared with the
-base model's. Then a batch of --batch-size requests, request i using adapter i mod N, is served two ways
+Blog section: beyond the post, "Multi-LoRA serving" (S-LoRA, Punica). One LoRA adapter per speaker
+(--speakers; rank and target modules as flags, the attention projections by default) is fine-tuned
+with peft on the first 80% of that speaker's turns in tiny Shakespeare's validation split, text the base
+model never trained on, and saved as checkpoints/<preset>_lora_<speaker>_r<rank>_<targets>.pt (later
+runs load it). Its loss on the last 20% is compared with the base model's. Then a batch of --batch-size requests, request i using adapter i mod N, is served two ways
 with the repository's code (gptlite_lora.py):
 - merged: one copy of the model per adapter with W + s B A folded in, the requests grouped by adapter,
   one generate_kvcache per group;
@@ -31,7 +31,7 @@ from gptlite_lora import (ATTENTION_TARGETS, LORA_TARGETS, LoRAAdapter, adapter_
                           generate_multi_lora, merge_adapter, multi_lora_model, peft_model, random_adapter,
                           slug, speaker_data)
 
-SPEAKERS = ("GLOUCESTER", "DUKE VINCENTIO", "ROMEO", "MENENIUS")  # the most lines in tiny Shakespeare
+SPEAKERS = ("PETRUCHIO", "PROSPERO", "TRANIO", "KATHARINA")  # the most lines in the validation split
 
 
 def adapter_path(preset, speaker, rank, targets):
@@ -74,15 +74,17 @@ def load_or_train(base, data, slice_data, args, preset, speaker, argv):
     return adapter, dict(source=f"trained in {t.seconds:.0f} s", peft_diff=peft_diff)
 
 
-def adapter_losses(base, data, adapters, slices, infos):
+def adapter_losses(base, data, adapters, slices, infos, n_batches):
     """Each trained adapter's validation loss on its speaker's held-out turns against the base model's."""
-    rows, corpus_base = [], iu.validation_loss(base, data)
+    loss = lambda model, d: iu.validation_loss(model, d, n_batches=n_batches)  # noqa: E731
+    seen = iu.Data(vocab=data.vocab, train=data.train, val=data.train)  # the base model's own training text
+    rows, seen_base = [], loss(base, seen)
     for (speaker, slice_data), adapter, info in zip(slices.items(), adapters, infos):
         merged = merge_adapter(base, adapter)
-        base_loss, loss = iu.validation_loss(base, slice_data), iu.validation_loss(merged, slice_data)
+        base_loss, adapter_loss = loss(base, slice_data), loss(merged, slice_data)
         rows.append(dict(speaker=speaker, train_chars=len(slice_data.train), val_chars=len(slice_data.val),
-                         val_loss=loss, base_val_loss=base_loss, gain=base_loss - loss,
-                         corpus_val_loss=iu.validation_loss(merged, data), corpus_base=corpus_base,
+                         val_loss=adapter_loss, base_val_loss=base_loss, gain=base_loss - adapter_loss,
+                         train_split_loss=loss(merged, seen), train_split_base=seen_base,
                          adapter=info["source"]))
     return rows
 
@@ -169,6 +171,8 @@ def parse_args(argv):
         help="distinct adapters in the batch, one point each (at most --batch-size)")
     add("--prompt-len", type=iu.int_at_least(1), default=16, help="prompt length in characters")
     add("--n-tokens", type=iu.int_at_least(2), default=32, help="new tokens generated per request")
+    add("--val-batches", type=iu.int_at_least(1), default=20,
+        help="validation batches (32 windows each) per loss figure")
     add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
     args = parser.parse_args(argv)
     args.alpha = args.alpha if args.alpha is not None else 2.0 * args.rank
@@ -196,7 +200,7 @@ def main(argv=None):
     n_max = max(max(args.adapter_counts), len(adapters))
     adapters += [random_adapter(base, args.rank, args.targets, args.alpha, seed=1000 + i)
                  for i in range(len(adapters), n_max)]
-    losses = adapter_losses(base, data, adapters, slices, infos)
+    losses = adapter_losses(base, data, adapters, slices, infos, args.val_batches)
     merged_kv = [merge_adapter(base, a) for a in adapters]  # GPTlite_KVCache copies
 
     prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
@@ -212,15 +216,15 @@ def main(argv=None):
           f"{args.n_tokens} new tokens, median of {args.repeats} runs; LoRA rank {args.rank}, alpha {args.alpha:g}, "
           f"targets {' '.join(args.targets)}; adapters 1-{n_trained} trained, beyond them random")
     iu.print_table(rows, untrained=args.untrained)
-    print(f"\neach adapter on its speaker's held-out turns (last 10%), {args.lora_steps} steps of batch "
-          f"{args.lora_batch_size}; corpus: tiny Shakespeare's validation split")
+    print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out turns: "
+          "the last 20% of the speaker's lines in tiny Shakespeare's validation split; train_split: the base's own data")
     loss_rows = [iu.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
     iu.print_table(loss_rows, untrained=args.untrained)
     summary = [f"adapters 1-{n_trained}: LoRA trained on one speaker each; adapters {n_trained + 1}-{n_max}: random "
                "(same rank and targets; only their cost is measured). weights_mb: parameters and buffers held",
                *(f"{r['speaker']}: validation loss on its held-out turns {r['val_loss']:.4f} with its adapter, "
-                 f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); tiny Shakespeare's validation "
-                 f"split {r['corpus_val_loss']:.4f} against {r['corpus_base']:.4f} ({r['adapter']})" for r in losses),
+                 f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training split "
+                 f"{r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})" for r in losses),
                "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
     print("\n".join(summary))
     failures = [name for name, ok in checks.items() if not ok]

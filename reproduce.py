@@ -76,6 +76,10 @@ RUNS = [
     Run("main_pruning", "main_pruning.py", "docs/smaller_models.md", "pruning",
         "validation loss against distillation steps, pruned and from random weights",
         quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),
+    Run("main_multi_lora", "main_multi_lora.py", "docs/multi_lora.md", "multi_lora",
+        "throughput and weight memory against the number of distinct adapters, and each adapter's loss",
+        quick=("--lora-steps", "2", "--adapter-counts", "1", "4", "--n-tokens", "8", "--repeats", "1",
+               "--val-batches", "2")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -418,12 +422,23 @@ def pruning_headline(r):
             f"{random_prune['val_pruned']:.2f} at random")
 
 
+def multi_lora_headline(r):
+    k = max(row["n_adapters"] for row in r["rows"])
+    merged, batched = find(r, "merged", n_adapters=k), find(r, "batched", n_adapters=k)
+    gains = ", ".join(f"{a['speaker']} {a['gain']:+.3f}" for a in r["adapter_losses"])
+    return (f"multi-LoRA serving, {merged['batch_size']} requests over {k} adapters of rank {r['rank']}",
+            f"one batched forward (BGMV) {x(batched['tokens_per_s'], merged['tokens_per_s'])} the throughput of "
+            f"{k} merged copies, weights {batched['weights_mb']:.1f} MB against {merged['weights_mb']:.1f} MB; "
+            f"each adapter's loss on its speaker against the base's: {gains} nats/char lower; the same tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
-             "main_distillation": distillation_headline, "main_pruning": pruning_headline}
+             "main_distillation": distillation_headline, "main_pruning": pruning_headline,
+             "main_multi_lora": multi_lora_headline}
 
 
 def summary_block(results):
