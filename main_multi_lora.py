@@ -215,14 +215,16 @@ def main(argv=None):
     n_trained = len(args.speakers)
     print(f"\nbatch {args.batch_size} requests (request i uses adapter i mod N), prompts of {args.prompt_len}, "
           f"{args.n_tokens} new tokens, median of {args.repeats} runs; LoRA rank {args.rank}, alpha {args.alpha:g}, "
-          f"targets {' '.join(args.targets)}; adapters 1-{n_trained} trained, beyond them random")
+          f"targets {' '.join(args.targets)}")
     iu.print_table(rows, untrained=args.untrained)
     print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out turns: "
           "the last 20% of the speaker's lines in tiny Shakespeare's validation split; train_split: the base's own data")
     loss_rows = [iu.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
     iu.print_table(loss_rows, untrained=args.untrained)
-    summary = [f"adapters 1-{n_trained}: LoRA trained on one speaker each; adapters {n_trained + 1}-{n_max}: random "
-               "(same rank and targets; only their cost is measured). weights_mb: parameters and buffers held",
+    random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
+                   if n_max > n_trained else "")
+    summary = [f"adapters 1-{n_trained}: LoRA trained on one speaker each{random_note}. weights_mb: parameters and "
+               "buffers held; vs_merged: batched / merged throughput at the same number of adapters",
                *(f"{r['speaker']}: validation loss on its held-out turns {r['val_loss']:.4f} with its adapter, "
                  f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training split "
                  f"{r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})" for r in losses),
