@@ -90,8 +90,8 @@ def random_adapter(model, rank, targets=ATTENTION_TARGETS, alpha=None, seed=0, s
 
 def peft_model(model, rank, targets=ATTENTION_TARGETS, alpha=None):
     """The GPTlite `model` wrapped by peft's LoRA (its weights frozen, A and B trainable)."""
+    targets = check_lora_args(rank, targets)  # before peft's slow import
     from peft import LoraConfig, get_peft_model
-    targets = check_lora_args(rank, targets)
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
                         target_modules=list(targets), bias="none")
     return get_peft_model(model, config)
