@@ -8,8 +8,9 @@ Blog section: beyond the post, "Multi-LoRA serving" (S-LoRA, Punica). One LoRA a
 (--speakers; rank and target modules as flags, the attention projections by default) is fine-tuned
 with peft on the first 80% of that speaker's turns in tiny Shakespeare's validation split, text the base
 model never trained on, and saved as checkpoints/<preset>_lora_<speaker>_r<rank>_<targets>.pt (later
-runs load it). Its loss on the last 20% is compared with the base model's. Then a batch of --batch-size requests, request i using adapter i mod N, is served two ways
-with the repository's code (gptlite_lora.py):
+runs load it). Its loss on the last 20% is compared with the base model's. Then a batch of
+--batch-size requests, request i using adapter i mod N, is served two ways with the repository's code
+(gptlite_lora.py):
 - merged: one copy of the model per adapter with W + s B A folded in, the requests grouped by adapter,
   one generate_kvcache per group;
 - batched (Punica's BGMV): one GPTlite_KVCache whose targeted linears add `(x @ A[ids]) @ B[ids]` to the
@@ -217,8 +218,8 @@ def main(argv=None):
           f"{args.n_tokens} new tokens, median of {args.repeats} runs; LoRA rank {args.rank}, alpha {args.alpha:g}, "
           f"targets {' '.join(args.targets)}")
     iu.print_table(rows, untrained=args.untrained)
-    print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out turns: "
-          "the last 20% of the speaker's lines in tiny Shakespeare's validation split; train_split: the base's own data")
+    print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out turns: the "
+          "last 20% of the speaker's lines in tiny Shakespeare's validation split; train_split: the base's own data")
     loss_rows = [iu.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
     iu.print_table(loss_rows, untrained=args.untrained)
     random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
@@ -226,8 +227,8 @@ def main(argv=None):
     summary = [f"adapters 1-{n_trained}: LoRA trained on one speaker each{random_note}. weights_mb: parameters and "
                "buffers held; vs_merged: batched / merged throughput at the same number of adapters",
                *(f"{r['speaker']}: validation loss on its held-out turns {r['val_loss']:.4f} with its adapter, "
-                 f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training split "
-                 f"{r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})" for r in losses),
+                 f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training "
+                 f"split {r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})" for r in losses),
                "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
     print("\n".join(summary))
     failures = [name for name, ok in checks.items() if not ok]
