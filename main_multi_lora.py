@@ -218,8 +218,8 @@ def main(argv=None):
           f"{args.n_tokens} new tokens, median of {args.repeats} runs; LoRA rank {args.rank}, alpha {args.alpha:g}, "
           f"targets {' '.join(args.targets)}")
     iu.print_table(rows, untrained=args.untrained)
-    print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out turns: the "
-          "last 20% of the speaker's lines in tiny Shakespeare's validation split; train_split: the base's own data")
+    print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out "
+          "turns: the last 20% of the speaker's lines in tiny Shakespeare's validation split; train_split: the base's own data")
     loss_rows = [iu.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
     iu.print_table(loss_rows, untrained=args.untrained)
     random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
@@ -228,7 +228,8 @@ def main(argv=None):
                "buffers held; vs_merged: batched / merged throughput at the same number of adapters",
                *(f"{r['speaker']}: validation loss on its held-out turns {r['val_loss']:.4f} with its adapter, "
                  f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training "
-                 f"split {r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})" for r in losses),
+                 f"split {r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})"
+                 for r in losses),
                "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
     print("\n".join(summary))
     failures = [name for name, ok in checks.items() if not ok]
