@@ -219,7 +219,8 @@ def main(argv=None):
           f"targets {' '.join(args.targets)}")
     iu.print_table(rows, untrained=args.untrained)
     print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out "
-          "turns: the last 20% of the speaker's lines in tiny Shakespeare's validation split; train_split: the base's own data")
+          "turns: the last 20% of the speaker's lines in tiny Shakespeare's validation split; "
+          "train_split: the base's own data")
     loss_rows = [iu.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
     iu.print_table(loss_rows, untrained=args.untrained)
     random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
