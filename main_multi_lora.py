@@ -19,7 +19,7 @@ Throughput and weight memory are measured for N = 1 .. 32 distinct adapters; bey
 adapters are random (a stand-in: the cost of an adapter does not depend on its values).
 
 Checks first: with every adapter in the batch, both ways give the tokens of each request generated alone
-with its merged adapter, and the adapters taken out of peft give peft's logits.
+with its merged adapter, and the adapters taken out of peft give peft's logits (when trained in this run).
 """
 import argparse
 import copy
