@@ -103,6 +103,10 @@ RUNS = [
     Run("main_tensor_parallel", "main_tensor_parallel.py", "docs/distributed.md", "tensor_parallel",
         "time of prefill and decoding steps relative to one rank of one thread, the all-reduce hatched",
         args=("--ranks", "2"), quick=("--batch-size", "4", "--n-tokens", "4", "--repeats", "1")),
+    Run("main_multi_lora", "main_multi_lora.py", "docs/multi_lora.md", "multi_lora",
+        "throughput and weight memory against the number of distinct adapters, and each adapter's loss",
+        quick=("--lora-steps", "2", "--adapter-counts", "1", "4", "--n-tokens", "8", "--repeats", "1",
+               "--val-batches", "2")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -542,6 +546,16 @@ def tensor_parallel_headline(r):
             f"{num(tp['ar_b1'], '{:.0f}')}% of a batch-1 step; max |logits diff| {r['logits_max_diff']:.0e}, identical tokens")
 
 
+def multi_lora_headline(r):
+    k = max(row["n_adapters"] for row in r["rows"])
+    merged, batched = find(r, "merged", n_adapters=k), find(r, "batched", n_adapters=k)
+    gains = ", ".join(f"{a['speaker']} {a['gain']:+.3f}" for a in r["adapter_losses"])
+    return (f"multi-LoRA serving, {merged['batch_size']} requests over {k} adapters of rank {r['rank']}",
+            f"one batched forward (BGMV) {x(batched['tokens_per_s'], merged['tokens_per_s'])} the throughput of "
+            f"{k} merged copies, weights {batched['weights_mb']:.1f} MB against {merged['weights_mb']:.1f} MB; "
+            f"each adapter's loss on its speaker against the base's: {gains} nats/char lower; the same tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
@@ -554,7 +568,8 @@ HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headl
              "main_sparse_attention": sparse_headline,
              "main_continuous_batching_prefix_sharing": prefix_sharing_headline,
              "main_linear_attention": linear_headline,
-             "main_tensor_parallel": tensor_parallel_headline}
+             "main_tensor_parallel": tensor_parallel_headline,
+             "main_multi_lora": multi_lora_headline}
 
 
 def summary_block(results):

@@ -1,0 +1,264 @@
+"""LoRA adapters for GPTlite: train with peft, serve with the repository's own code.
+
+Blog section: beyond the post, "Multi-LoRA serving" (S-LoRA, Punica). A LoRA adapter adds a low-rank
+update to some linear layers: W x + s * B A x, with A: [r, in], B: [out, r], s = alpha / r. Two ways to
+serve a batch whose requests use different adapters:
+- merged: one copy of the model per adapter with W + s B A folded in (`merge_adapter`); the requests
+  are grouped by adapter and each group is one batch;
+- batched (Punica's BGMV): one model whose target linears are `LoRALinear`: the base weight is shared
+  and each row's update is gathered by its adapter id, `(x @ A[ids]) @ B[ids]`, so one forward serves the
+  mixed batch. The model is GPTlite_KVCache itself (`multi_lora_model` swaps the linears in), so the KV
+  cache, prefill and decode are the repository's, unchanged.
+"""
+import re
+
+import torch
+import torch.nn as nn
+
+import inference_utils as iu
+from gptlite_kvcache import generate_kvcache
+
+# The linear layers an adapter may target, named as in a block (peft's target_modules match these suffixes).
+LORA_TARGETS = ("query_proj", "key_proj", "value_proj", "out_proj", "ffwd.net.0", "ffwd.net.2")
+ATTENTION_TARGETS = ("query_proj", "key_proj", "value_proj", "out_proj")
+
+
+def check_lora_args(rank, targets):
+    """Clear errors for a rank below 1 or a target that is not a linear layer of GPTlite."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"LoRA rank must be an integer of at least 1, got {rank!r}")
+    targets = tuple(targets)
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if not targets or unknown:
+        raise ValueError(f"unknown LoRA target module(s) {unknown or targets}; choose among {', '.join(LORA_TARGETS)}")
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"LoRA target modules repeated: {targets}; name each once")
+    return targets
+
+
+def target_linear(block, target):
+    """The nn.Linear of `block` named by `target` (attention projections live in block.mha)."""
+    module = block if target.startswith("ffwd.") else block.mha
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def target_names(n_layers, targets):
+    """The full module names, in the adapter's order: blocks.<i>.mha.query_proj, blocks.<i>.ffwd.net.0, ..."""
+    return [f"blocks.{i}.{t if t.startswith('ffwd.') else 'mha.' + t}" for i in range(n_layers) for t in targets]
+
+
+class LoRAAdapter(nn.Module):
+    """The A [r, in] and B [out, r] of every targeted linear of a GPTlite, and the scale alpha / r.
+
+    The parameter lists follow target_names(n_layers, targets); B starts at zero (LoRA's init: the
+    adapter starts as the base model)."""
+
+    def __init__(self, model, rank, targets=ATTENTION_TARGETS, alpha=None):
+        super().__init__()
+        self.rank, self.targets = rank, check_lora_args(rank, targets)
+        self.alpha = float(alpha if alpha is not None else 2 * rank)
+        self.scaling = self.alpha / rank
+        linears = [target_linear(b, t) for b in model.blocks for t in self.targets]
+        self.A = nn.ParameterList([nn.Parameter(torch.randn(rank, m.in_features) / m.in_features**0.5)
+                                   for m in linears])
+        self.B = nn.ParameterList([nn.Parameter(torch.zeros(m.out_features, rank)) for m in linears])
+        self.names = target_names(len(model.blocks), self.targets)
+
+    def config(self):
+        return dict(rank=self.rank, alpha=self.alpha, targets=list(self.targets))
+
+    def delta(self, i):
+        """The update of the i-th targeted weight, s * B A: [out, in]."""
+        return self.scaling * self.B[i] @ self.A[i]
+
+
+def random_adapter(model, rank, targets=ATTENTION_TARGETS, alpha=None, seed=0, std=0.02):
+    """An adapter with random A and B (an untrained stand-in: its update is not zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    adapter = LoRAAdapter(model, rank, targets, alpha)
+    with torch.no_grad():
+        for A, B in zip(adapter.A, adapter.B):
+            A.copy_(torch.randn(A.shape, generator=generator) / A.shape[1]**0.5)
+            B.copy_(torch.randn(B.shape, generator=generator) * std)
+    return adapter.to(model.fc_out.weight.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training with peft, then the weights taken out into a LoRAAdapter.
+
+def peft_model(model, rank, targets=ATTENTION_TARGETS, alpha=None):
+    """The GPTlite `model` wrapped by peft's LoRA (its weights frozen, A and B trainable)."""
+    targets = check_lora_args(rank, targets)  # before peft's slow import
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
+                        target_modules=list(targets), bias="none")
+    return get_peft_model(model, config)
+
+
+def adapter_from_peft(peft, base):
+    """The LoRAAdapter holding the A, B and scale of a peft-wrapped GPTlite (`base`: a model of its shape)."""
+    config = peft.peft_config["default"]
+    adapter = LoRAAdapter(base, config.r, tuple(sorted(config.target_modules, key=LORA_TARGETS.index)),
+                          config.lora_alpha)
+    modules = dict(peft.base_model.model.named_modules())
+    with torch.no_grad():
+        for i, name in enumerate(adapter.names):
+            layer = modules[name]
+            if layer.scaling["default"] != adapter.scaling:
+                raise iu.GPTliteError(f"peft's scale {layer.scaling['default']} at {name} is not alpha / r = "
+                                      f"{adapter.scaling}; this is a bug")
+            adapter.A[i].copy_(layer.lora_A["default"].weight)  # [r, in]
+            adapter.B[i].copy_(layer.lora_B["default"].weight)  # [out, r]
+    return adapter
+
+
+# ----------------------------------------------------------------------------------------------------
+# Serving, merged: one copy of the weights per adapter.
+
+@torch.no_grad()
+def merge_adapter(model, adapter):
+    """A copy of `model` (any GPTlite class) with W + s B A in every targeted linear."""
+    merged = type(model)(**iu.model_config(model)).to(model.fc_out.weight.device)
+    merged.load_state_dict(model.state_dict())
+    for i, name in enumerate(adapter.names):
+        merged.get_submodule(name).weight += adapter.delta(i)
+    return merged.eval()
+
+
+def generate_merged(merged_models, prompts, adapter_ids, n_tokens, seqlen):
+    """Requests grouped by adapter, one generate_kvcache per group; outputs back in request order."""
+    check_adapter_ids(adapter_ids, len(merged_models), prompts.shape[0])
+    out = torch.empty(prompts.shape[0], prompts.shape[1] + n_tokens, dtype=torch.long, device=prompts.device)
+    for a in adapter_ids.unique().tolist():
+        rows = (adapter_ids == a).nonzero().squeeze(1)
+        out[rows] = generate_kvcache(merged_models[a], prompts[rows], n_tokens, seqlen)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Serving, batched: the base weights shared, each row's update gathered by its adapter id.
+
+class LoRALinear(nn.Module):
+    """base(x) + (x @ A[ids]) @ B[ids]: a shared nn.Linear and N stacked adapters (the scale folded in B).
+
+    A: [N, in, r], B: [N, r, out]; `ids` [B] (set by set_adapter_ids) picks each row's adapter;
+    ids None: the base layer alone."""
+
+    def __init__(self, base, A, B):
+        super().__init__()
+        self.base = base
+        self.register_buffer("A", A)  # [N, in, r]
+        self.register_buffer("B", B)  # [N, r, out]
+        self.ids = None
+        self.in_features, self.out_features = base.in_features, base.out_features  # what nn.Linear's readers ask
+
+    def forward(self, x):
+        # x: [B, T, in]
+        y = self.base(x)  # [B, T, out], one matmul with the shared weight for every row
+        if self.ids is None:
+            return y
+        return y + (x @ self.A[self.ids]) @ self.B[self.ids]  # BGMV: [B, T, r] then [B, T, out]
+
+
+def check_adapter_ids(adapter_ids, n_adapters, batch_size=None):
+    """One adapter id per request, each in [0, n_adapters): a clear error otherwise."""
+    if not isinstance(adapter_ids, torch.Tensor) or adapter_ids.dtype != torch.long or adapter_ids.dim() != 1:
+        raise ValueError("adapter_ids must be a 1-D LongTensor, one adapter id per request")
+    if batch_size is not None and adapter_ids.shape[0] != batch_size:
+        raise ValueError(f"got {adapter_ids.shape[0]} adapter ids for {batch_size} requests: give one per request")
+    if adapter_ids.numel() and (adapter_ids.min() < 0 or adapter_ids.max() >= n_adapters):
+        raise ValueError(f"adapter id out of range: ids must be in [0, {n_adapters}) for {n_adapters} adapters, "
+                         f"got {adapter_ids.min().item()} .. {adapter_ids.max().item()}")
+
+
+@torch.no_grad()
+def multi_lora_model(model, adapters):
+    """A GPTlite_KVCache with `model`'s weights whose targeted linears are LoRALinear over the stacked
+    `adapters` (same rank and targets). The base weights are shared with `model`, not copied."""
+    if not adapters:
+        raise ValueError("give at least one adapter")
+    first = adapters[0]
+    for a in adapters:
+        if a.rank != first.rank or a.targets != first.targets:
+            raise ValueError(f"adapters must share rank and targets to be stacked: {a.config()} against "
+                             f"{first.config()}")
+    served = iu.kv_cache_model(model)
+    weights = dict(model.named_parameters())
+    for name, p in served.named_parameters():
+        p.data = weights[name].data  # share the base weights: no second copy
+    for i, name in enumerate(first.names):
+        A = torch.stack([a.A[i].t() for a in adapters])  # [N, in, r]
+        B = torch.stack([a.scaling * a.B[i].t() for a in adapters])  # [N, r, out]
+        parent, child = name.rsplit(".", 1)
+        owner = served.get_submodule(parent)
+        setattr(owner, child, LoRALinear(getattr(owner, child), A, B))
+    served.n_adapters = len(adapters)
+    return served.eval()
+
+
+def set_adapter_ids(model, adapter_ids):
+    """Route row b of the next forwards through adapter adapter_ids[b] (None: the base model)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if not layers:
+        raise ValueError("this model has no LoRALinear layers; build it with multi_lora_model(model, adapters)")
+    if adapter_ids is not None:
+        check_adapter_ids(adapter_ids, layers[0].A.shape[0])
+    for m in layers:
+        m.ids = adapter_ids
+
+
+def generate_multi_lora(model, prompts, adapter_ids, n_tokens, seqlen):
+    """One generate_kvcache for the mixed batch: request b uses adapter adapter_ids[b]."""
+    check_adapter_ids(adapter_ids, model.n_adapters, prompts.shape[0])
+    set_adapter_ids(model, adapter_ids)
+    try:
+        return generate_kvcache(model, prompts, n_tokens, seqlen)
+    finally:
+        set_adapter_ids(model, None)
+
+
+def adapters_nbytes(adapters):
+    return sum(p.numel() * p.element_size() for a in adapters for p in a.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Slices of the corpus: the turns of one speaker.
+
+def speaker_turns(text, speaker):
+    """Every turn of `speaker` ("NAME:\\n" then the lines), in corpus order, joined by blank lines."""
+    turns = [t for t in text.split("\n\n") if t.startswith(f"{speaker}:\n")]
+    return "\n\n".join(turns)
+
+
+def speakers_by_text(text):
+    """Speaker names by characters spoken, most first."""
+    counts = {}
+    for turn in text.split("\n\n"):
+        m = re.match(r"([A-Za-z' ]+):\n", turn)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + len(turn)
+    return sorted(counts, key=counts.get, reverse=True)
+
+
+def speaker_data(data, speaker, seqlen, min_windows=8):
+    """An iu.Data of one speaker's turns in tiny Shakespeare's validation split (text the base model never
+    trained on): the first 80% to fine-tune on, the last 20% to validate on. An unknown name or too little
+    text is a clear error."""
+    text = data.decode(data.val.tolist())
+    turns = speaker_turns(text, speaker)
+    if not turns:
+        raise iu.GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare's validation split (names are upper case "
+                              f"as in the text); the most lines: {', '.join(speakers_by_text(text)[:8])}")
+    n_train = int(0.8 * len(turns))
+    if len(turns) - n_train < min_windows + seqlen + 1:
+        raise iu.GPTliteError(f"speaker {speaker!r} has {len(turns):,} characters in the validation split, too few "
+                              f"for held-out windows of {seqlen}; pick one with more lines, e.g. "
+                              f"{', '.join(speakers_by_text(text)[:4])}")
+    tokens = torch.tensor(data.encode(turns))
+    return iu.Data(vocab=data.vocab, train=tokens[:n_train], val=tokens[n_train:])
+
+
+def slug(speaker):
+    return re.sub(r"[^a-z0-9]+", "_", speaker.lower()).strip("_")

@@ -1,0 +1,249 @@
+"""Multi-LoRA serving: many fine-tuned adapters on one base model, merged copies against one mixed batch.
+
+    python main_multi_lora.py                               # cpu preset on CPU, gptlite on CUDA
+    python main_multi_lora.py --rank 16 --targets query_proj value_proj --json lora.json --plot lora.png
+    python main_multi_lora.py --untrained --lora-steps 2 --n-tokens 8 --repeats 1   # a quick smoke run
+
+Blog section: beyond the post, "Multi-LoRA serving" (S-LoRA, Punica). One LoRA adapter per speaker
+(--speakers; rank and target modules as flags, the attention projections by default) is fine-tuned
+with peft on the first 80% of that speaker's turns in tiny Shakespeare's validation split, text the base
+model never trained on, and saved as checkpoints/<preset>_lora_<speaker>_r<rank>_<targets>.pt (later
+runs load it). Its loss on the last 20% is compared with the base model's. Then a batch of
+--batch-size requests, request i using adapter i mod N, is served two ways with the repository's code
+(gptlite_lora.py):
+- merged: one copy of the model per adapter with W + s B A folded in, the requests grouped by adapter,
+  one generate_kvcache per group;
+- batched (Punica's BGMV): one GPTlite_KVCache whose targeted linears add `(x @ A[ids]) @ B[ids]` to the
+  shared base weight's output, one generate_kvcache for the whole mixed batch.
+Throughput and weight memory are measured for N = 1 .. 32 distinct adapters; beyond the trained ones the
+adapters are random (a stand-in: the cost of an adapter does not depend on its values).
+
+Checks first: with every adapter in the batch, both ways give the tokens of each request generated alone
+with its merged adapter, and the adapters taken out of peft give peft's logits (when trained in this run).
+"""
+import argparse
+import copy
+
+import torch
+
+import inference_utils as iu
+from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+from gptlite_lora import (ATTENTION_TARGETS, LORA_TARGETS, LoRAAdapter, adapter_from_peft, generate_merged,
+                          generate_multi_lora, merge_adapter, multi_lora_model, peft_model, random_adapter,
+                          slug, speaker_data)
+
+SPEAKERS = ("PETRUCHIO", "PROSPERO", "TRANIO", "KATHARINA")  # the most lines in the validation split
+
+
+def adapter_path(preset, speaker, rank, targets):
+    code = "".join(t[0] for t in targets if not t.startswith("ffwd")) + "".join(
+        "m" + t[-1] for t in targets if t.startswith("ffwd"))  # qkvo, qv, qkvom0m2
+    return iu.checkpoint_path(f"{preset.name}_lora_{slug(speaker)}_r{rank}_{code}")
+
+
+def train_adapter(base, slice_data, args, preset, speaker):
+    """Fine-tune a LoRA adapter on one speaker's turns with peft; the base weights stay frozen."""
+    model = peft_model(copy.deepcopy(base), args.rank, args.targets, args.alpha)
+    iu.train_steps(model, slice_data, args.lora_steps, args.lora_batch_size, preset.seqlen, args.lr,
+                   seed=args.seed, eval_interval=args.lora_steps, desc=f"LoRA {speaker}")
+    adapter = adapter_from_peft(model, base)
+    x = iu.get_batch(slice_data.val, 4, preset.seqlen, torch.Generator().manual_seed(0), base.fc_out.weight.device)[0]
+    with torch.no_grad():
+        peft_diff = (iu.logits_of(model(x)) - iu.logits_of(merge_adapter(base, adapter)(x))).abs().max().item()
+    return adapter, peft_diff
+
+
+def load_or_train(base, data, slice_data, args, preset, speaker, argv):
+    """The saved adapter when its file has this run's settings; else train one (and save it if trained base)."""
+    config = dict(rank=args.rank, alpha=args.alpha, targets=list(args.targets), speaker=speaker,
+                  steps=args.lora_steps, batch_size=args.lora_batch_size, lr=args.lr, seed=args.seed,
+                  base_sha256=iu.checkpoint_sha256(preset.model_config(), data.vocab, base.state_dict()))
+    path, rebuild = adapter_path(preset, speaker, args.rank, args.targets), iu.rebuild_command("main_multi_lora.py",
+                                                                                               argv, preset)
+    if not args.untrained and path.exists():
+        ckpt = iu.load_checkpoint(path, vocab=data.vocab, rebuild=rebuild)
+        if ckpt["config"] == config:
+            adapter = LoRAAdapter(base, args.rank, args.targets, args.alpha)
+            adapter.load_state_dict(ckpt["state_dict"])
+            return adapter.to(base.fc_out.weight.device), dict(source=f"loaded {path.name}", peft_diff=None)
+        print(f"{path} holds an adapter trained with other settings: training a new one")
+    with iu.Timer() as t:
+        adapter, peft_diff = train_adapter(base, slice_data, args, preset, speaker)
+    if not args.untrained:
+        iu.save_checkpoint(path, adapter, config, data.vocab, rebuild=rebuild, preset=preset.name)
+        print(f"saved {path}")
+    return adapter, dict(source=f"trained in {t.seconds:.0f} s", peft_diff=peft_diff)
+
+
+def adapter_losses(base, data, adapters, slices, infos, n_batches):
+    """Each trained adapter's validation loss on its speaker's held-out turns against the base model's."""
+    loss = lambda model, d: iu.validation_loss(model, d, n_batches=n_batches)  # noqa: E731
+    seen = iu.Data(vocab=data.vocab, train=data.train, val=data.train)  # the base model's own training text
+    rows, seen_base = [], loss(base, seen)
+    for (speaker, slice_data), adapter, info in zip(slices.items(), adapters, infos):
+        merged = merge_adapter(base, adapter)
+        base_loss, adapter_loss = loss(base, slice_data), loss(merged, slice_data)
+        rows.append(dict(speaker=speaker, train_chars=len(slice_data.train), val_chars=len(slice_data.val),
+                         val_loss=adapter_loss, base_val_loss=base_loss, gain=base_loss - adapter_loss,
+                         train_split_loss=loss(merged, seen), train_split_base=seen_base,
+                         adapter=info["source"]))
+    return rows
+
+
+def check_tokens(base, adapters, merged_kv, prompts, n_tokens, seqlen):
+    """Every adapter in one batch: batched and merged tokens against each request alone, merged."""
+    ids = torch.arange(prompts.shape[0], device=prompts.device) % len(adapters)
+    alone = torch.cat([generate_kvcache(merged_kv[a], prompts[i:i + 1], n_tokens, seqlen)
+                       for i, a in enumerate(ids.tolist())])
+    batched = generate_multi_lora(multi_lora_model(base, adapters), prompts, ids, n_tokens, seqlen)
+    merged = generate_merged(merged_kv, prompts, ids, n_tokens, seqlen)
+    return {"batched (BGMV) = each request alone": torch.equal(batched, alone),
+            "merged, grouped = each request alone": torch.equal(merged, alone)}
+
+
+def sweep(base, adapters, merged_kv, prompts, counts, n_tokens, seqlen, device, repeats):
+    """Throughput against the number of distinct adapters in the batch; every variant timed round-robin."""
+    fns, memory = {"base model, no adapter": lambda n: generate_kvcache(base, prompts, n, seqlen)}, {}
+    memory["base model, no adapter"] = iu.model_size_mb(base)
+    for k in counts:
+        ids = torch.arange(prompts.shape[0], device=device) % k
+        served = multi_lora_model(base, adapters[:k])
+        fns[f"merged, {k}"] = lambda n, k=k, ids=ids: generate_merged(merged_kv[:k], prompts, ids, n, seqlen)
+        fns[f"batched, {k}"] = lambda n, s=served, ids=ids: generate_multi_lora(s, prompts, ids, n, seqlen)
+        memory[f"merged, {k}"] = sum(iu.model_size_mb(m) for m in merged_kv[:k])  # k full copies
+        memory[f"batched, {k}"] = iu.model_size_mb(served)  # base weights once + k stacked adapters
+    timings = iu.compare_generation(fns, n_tokens, prompts.shape[0], device, warmup=1, repeats=repeats)
+    rows = []
+    for name, t in timings.items():
+        kind, _, k = name.partition(", ")
+        k = int(k) if k.isdigit() else 0
+        variant = name if not k else f"{kind}, {k} adapter{'s' if k > 1 else ''}"
+        rows.append(iu.make_row(variant, n_adapters=k, batch_size=prompts.shape[0], **t, weights_mb=memory[name]))
+    for row in rows:
+        if row["variant"].startswith("batched"):
+            merged = next(r for r in rows if r["variant"].startswith("merged") and r["n_adapters"] == row["n_adapters"])
+            row["vs_merged"] = iu.ratio(row["tokens_per_s"], merged["tokens_per_s"])
+    return rows
+
+
+def plot_results(rows, losses, path, preset, device):
+    fig, (ax_tput, ax_mem, ax_loss) = iu.new_figure(3)
+    for kind in ("merged", "batched"):
+        points = [r for r in rows if r["variant"].startswith(kind)]
+        ks = [r["n_adapters"] for r in points]
+        ax_tput.plot(ks, [r["tokens_per_s"] for r in points], marker="o", label=kind)
+        ax_mem.plot(ks, [r["weights_mb"] for r in points], marker="o", label=kind)
+    base = rows[0]
+    ax_tput.axhline(base["tokens_per_s"], color="gray", linestyle="--", label="base model, no adapter")
+    for ax in (ax_tput, ax_mem):
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    ax_tput.set(xlabel="distinct adapters in the batch", ylabel="tokens/s", ylim=(0, None),
+                title=f"batch {base['batch_size']}, preset {preset.name} ({device})")
+    ax_mem.set(xlabel="adapters served", ylabel="weights (MB)", title="N merged copies against base + N adapters")
+    x = range(len(losses))
+    figures = [r[k] for r in losses for k in ("base_val_loss", "val_loss")]
+    ax_loss.bar([i - 0.2 for i in x], [r["base_val_loss"] for r in losses], width=0.4, label="base model")
+    ax_loss.bar([i + 0.2 for i in x], [r["val_loss"] for r in losses], width=0.4, label="its LoRA adapter")
+    ax_loss.set_xticks(list(x), [r["speaker"] for r in losses], rotation=20)
+    ax_loss.set(ylabel="validation loss (nats/char), axis cut", ylim=(0.9 * min(figures), 1.02 * max(figures)),
+                title="each adapter on its speaker's held-out turns")
+    ax_loss.legend(loc="lower right")
+    iu.save_plot(fig, path)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    iu.add_common_args(parser)
+    add = parser.add_argument
+    add("--rank", type=iu.int_at_least(1), default=8, help="LoRA rank r of every adapter")
+    add("--alpha", type=iu.positive_float, default=None, help="LoRA alpha; the update is scaled by alpha / r "
+        "(default: 2 * rank)")
+    add("--targets", nargs="+", choices=LORA_TARGETS, default=list(ATTENTION_TARGETS), metavar="MODULE",
+        help=f"linear layers the adapters change, in every block: some of {', '.join(LORA_TARGETS)} "
+             "(default: the four attention projections)")
+    add("--speakers", nargs="+", default=list(SPEAKERS), metavar="NAME",
+        help="one adapter per speaker, trained on that speaker's turns (names as in the text, upper case)")
+    add("--lora-steps", type=iu.int_at_least(1), default=200, help="fine-tuning steps of each adapter")
+    add("--lora-batch-size", type=iu.int_at_least(1), default=8, help="fine-tuning batch, in windows of seqlen")
+    add("--lr", type=iu.positive_float, default=1e-3,
+        help="peak learning rate of fine-tuning (3e-3 overfits the smaller speakers within 200 steps)")
+    add("--batch-size", type=iu.int_at_least(1), default=32, help="requests served together (the mixed batch)")
+    add("--adapter-counts", nargs="+", type=iu.int_at_least(1), default=[1, 2, 4, 8, 16, 32], metavar="N",
+        help="distinct adapters in the batch, one point each (at most --batch-size)")
+    add("--prompt-len", type=iu.int_at_least(1), default=16, help="prompt length in characters")
+    add("--n-tokens", type=iu.int_at_least(2), default=32, help="new tokens generated per request")
+    add("--val-batches", type=iu.int_at_least(1), default=20,
+        help="validation batches (32 windows each) per loss figure")
+    add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    args = parser.parse_args(argv)
+    args.alpha = args.alpha if args.alpha is not None else 2.0 * args.rank
+    args.targets = sorted(set(args.targets), key=LORA_TARGETS.index)
+
+    def check_args(preset):
+        if max(args.adapter_counts) > args.batch_size:
+            parser.error(f"--adapter-counts: at most --batch-size={args.batch_size} distinct adapters fit in the batch")
+        if len(set(args.speakers)) != len(args.speakers):
+            parser.error("--speakers: name each speaker once")
+        if args.prompt_len + args.n_tokens > preset.seqlen:
+            parser.error(f"--prompt-len + --n-tokens must be at most seqlen={preset.seqlen} (the checks compare "
+                         "tokens within the window)")
+    return args, parser, check_args
+
+
+def main(argv=None):
+    args, parser, check_args = parse_args(argv)
+    preset, device, data = iu.setup(args, parser, check_args)
+    slices = {s: speaker_data(data, s, preset.seqlen) for s in args.speakers}  # bad names fail before training
+    base = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
+    with iu.Timer() as t_adapters:
+        trained = [load_or_train(base, data, slices[s], args, preset, s, argv) for s in args.speakers]
+    adapters, infos = [a for a, _ in trained], [i for _, i in trained]
+    n_max = max(max(args.adapter_counts), len(adapters))
+    adapters += [random_adapter(base, args.rank, args.targets, args.alpha, seed=1000 + i)
+                 for i in range(len(adapters), n_max)]
+    losses = adapter_losses(base, data, adapters, slices, infos, args.val_batches)
+    merged_kv = [merge_adapter(base, a) for a in adapters]  # GPTlite_KVCache copies
+
+    prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
+    checks = check_tokens(base, adapters, merged_kv, prompts, args.n_tokens, preset.seqlen)
+    peft_diffs = [i["peft_diff"] for i in infos if i["peft_diff"] is not None]
+    if peft_diffs:
+        checks["adapters out of peft give peft's logits (atol 1e-4)"] = max(peft_diffs) <= 1e-4
+    rows = sweep(base, adapters, merged_kv, prompts, sorted(set(args.adapter_counts)), args.n_tokens,
+                 preset.seqlen, device, args.repeats)
+
+    n_trained = len(args.speakers)
+    print(f"\nbatch {args.batch_size} requests (request i uses adapter i mod N), prompts of {args.prompt_len}, "
+          f"{args.n_tokens} new tokens, median of {args.repeats} runs; LoRA rank {args.rank}, alpha {args.alpha:g}, "
+          f"targets {' '.join(args.targets)}")
+    iu.print_table(rows, untrained=args.untrained)
+    print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out "
+          "turns: the last 20% of the speaker's lines in tiny Shakespeare's validation split; "
+          "train_split: the base's own data")
+    loss_rows = [iu.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
+    iu.print_table(loss_rows, untrained=args.untrained)
+    random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
+                   if n_max > n_trained else "")
+    summary = [f"adapters 1-{n_trained}: LoRA trained on one speaker each{random_note}. weights_mb: parameters and "
+               "buffers held; vs_merged: batched / merged throughput at the same number of adapters",
+               *(f"{r['speaker']}: validation loss on its held-out turns {r['val_loss']:.4f} with its adapter, "
+                 f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training "
+                 f"split {r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})"
+                 for r in losses),
+               "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
+    print("\n".join(summary))
+    failures = [name for name, ok in checks.items() if not ok]
+    if failures:
+        raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug (nothing written)")
+    if args.plot:
+        plot_results(rows, losses, args.plot, preset, device)
+    if args.json:
+        iu.save_json(args.json, "main_multi_lora.py", preset, device, rows, untrained=args.untrained,
+                     rank=args.rank, alpha=args.alpha, targets=args.targets, lora_steps=args.lora_steps,
+                     n_trained=n_trained, adapter_losses=losses, checks=checks,
+                     adapters_seconds=t_adapters.seconds, summary=summary)
+
+
+if __name__ == "__main__":
+    iu.run(main)
