@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/disagg_worker.py MODE OUT.json
 
-MODE: `check` (a small trace, a pool small enough to preempt), `corrupt` (the payloads of requests 1
-and 4 change on the way), `die` (the prefill worker exits after sending 2 requests), `hang` (it stops
+MODE: `check` (a small trace, a pool small enough to preempt, served twice: clean, then with the
+payloads of requests 1 and 4 changed on the way), `die` (the prefill worker exits after sending 2 requests), `hang` (it stops
 answering after 2). Both ranks build the same tiny model (same seed, weights drawn from N(0, 0.5)) and
 trace; rank 0 writes the outputs, the references (generate_kvcache alone) and the stats to OUT.json.
 """
@@ -60,15 +60,18 @@ def main():
     reference = serving.reference_outputs(model, requests, CONFIG["seqlen"])
     if mode in ("die", "hang") and d.rank == disaggregation.PREFILL_RANK:
         fail_after(2, mode)
+    runs = {}
     with distributed.collective_errors(TIMEOUT_S):
-        outputs, clock, stats = disaggregation.serve_disaggregated(
-            model, requests, arrivals, n_blocks=6, block_size=4, max_seqs=3, timeout_s=TIMEOUT_S,
-            corrupt=(1, 4) if mode == "corrupt" else ())
+        for run in ("clean", "corrupt") if mode == "check" else (mode,):
+            outputs, clock, stats = disaggregation.serve_disaggregated(
+                model, requests, arrivals, n_blocks=6, block_size=4, max_seqs=3, timeout_s=TIMEOUT_S,
+                corrupt=(1, 4) if run == "corrupt" else ())
+            runs[run] = {"outputs": [o.tolist() for o in outputs], "first": clock.first, "last": clock.last,
+                         "arrivals": clock.arrivals, **stats}
     if d.rank == 0:
         iu.atomic_write_bytes(json.dumps({
-            "outputs": [o.tolist() for o in outputs], "reference": [r.tolist() for r in reference],
-            "n_tokens": [n for _, n in requests], "prompt_lens": [len(p) for p, _ in requests],
-            "first": clock.first, "last": clock.last, "arrivals": clock.arrivals, **stats}).encode(), out)
+            "reference": [r.tolist() for r in reference], "n_tokens": [n for _, n in requests],
+            "prompt_lens": [len(p) for p, _ in requests], **runs}).encode(), out)
     distributed.shutdown()
 
 
