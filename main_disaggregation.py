@@ -157,7 +157,7 @@ def plot_cdfs(clocks, path, preset, device):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     iu.add_common_args(parser)
-    serving.add_trace_args(parser, n_requests=48, rate=40.0)
+    serving.add_trace_args(parser, n_requests=64, rate=40.0)
     parser.set_defaults(prompt_median=80, output_median=24)  # long prompts: prefills interfere with decodes
     add = parser.add_argument
     add("--batch-size", type=iu.int_at_least(1), default=8, help="batch slots of the decode side (and of prefill)")

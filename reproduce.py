@@ -75,7 +75,9 @@ RUNS = [
         quick=("--iters", "5", "--n-tokens", "8", "--repeats", "1")),
     Run("main_pruning", "main_pruning.py", "docs/smaller_models.md", "pruning",
         "validation loss against distillation steps, pruned and from random weights",
-        quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),
+        quick=("--iters", "5", "--calib-batches", "1", "--random-draws", "2", "--n-tokens", "8", "--repeats", "1")),    Run("main_disaggregation", "main_disaggregation.py", "docs/distributed.md", "disaggregation",
+        "TTFT and TPOT per request: the colocated paged engine and the disaggregated pair",
+        quick=("--n-requests", "8", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -418,12 +420,24 @@ def pruning_headline(r):
             f"{random_prune['val_pruned']:.2f} at random")
 
 
+def disaggregation_headline(r):
+    whole, chunked, split = (find(r, v) for v in ("colocated, whole prompts", "colocated, chunked prefill",
+                                                  "disaggregated"))
+    ms = lambda row, key: num(row[key], "{:.1f}")  # noqa: E731
+    return ("disaggregated prefill and decode, 2 gloo workers against the colocated paged engine, equal CPU",
+            f"p99 TPOT {ms(split, 'tpot_p99_ms')} ms against {ms(whole, 'tpot_p99_ms')} colocated "
+            f"({ms(chunked, 'tpot_p99_ms')} chunked); p50 TTFT {ms(split, 'ttft_arrival_ms')} against "
+            f"{ms(whole, 'ttft_arrival_ms')} ms; {num(split['kv_sent_KB'], '{:.0f}')} KB of KV per request, sent in "
+            f"{num(split['send_ms'], '{:.2f}')} ms; the same tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
              "main_continuous_batching_long_prompts": long_prompts_headline,
              "main_flash_attention": flash_headline, "main_gqa": gqa_headline, "main_mla": mla_headline,
-             "main_distillation": distillation_headline, "main_pruning": pruning_headline}
+             "main_distillation": distillation_headline, "main_pruning": pruning_headline,
+             "main_disaggregation": disaggregation_headline}
 
 
 def summary_block(results):
