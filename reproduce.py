@@ -421,7 +421,7 @@ def pruning_headline(r):
 
 
 def disaggregation_headline(r):
-    whole, chunked, split = (find(r, v) for v in ("colocated, whole prompts", "colocated, chunked prefill",
+    whole, chunked, split = (find(r, v) for v in ("colocated, whole prompts (2", "colocated, chunked prefill",
                                                   "disaggregated"))
     ms = lambda row, key: num(row[key], "{:.1f}")  # noqa: E731
     return ("disaggregated prefill and decode, 2 gloo workers against the colocated paged engine, equal CPU",
