@@ -3,15 +3,14 @@ process against the model's own KV cache and generate_kvcache; then 2 local gloo
 torchrun (tests/disagg_worker.py, a tiny model, seconds each): tokens against one process, corrupted
 transfers recomputed, a dead and a silent prefill worker."""
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import distributed
-import inference_utils as iu
 import main_disaggregation
-import serving
 from conftest import TINY
 from disaggregation import LiveClock, admit_prefilled, checksum, engine_parts, kv_of, makespan_throughput
 from gptlite_kvcache import generate_kvcache, prefill
@@ -169,7 +168,7 @@ def test_bad_flags_are_clear_errors_before_any_work(argv, message, capsys, monke
     monkeypatch.setattr(distributed, "launch", lambda *a, **k: pytest.fail("launched despite a bad flag"))
     with pytest.raises(SystemExit):
         main_disaggregation.main(argv + ["--untrained"])
-    assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_a_world_of_other_than_two_processes_is_refused(capsys, monkeypatch):
