@@ -138,7 +138,8 @@ def summary_lines(rows):
              f"KV handed over: {split['kv_sent_KB']:.1f} KB per request on average, sent in {split['send_ms']:.3f} ms "
              f"(p50; p99 {split['send_p99_ms']:.3f} ms); throughput {split['tokens_per_s']:.0f} against "
              f"{whole['tokens_per_s']:.0f} tok/s colocated",
-             f"colocated on 1 thread: p99 TPOT {rows[0]['tpot_p99_ms']:.2f} ms, {rows[0]['tokens_per_s']:.0f} tok/s "
+             f"colocated on 1 thread: p99 TPOT {rows[0]['tpot_p99_ms']:.2f} ms, p50 TTFT {rows[0]['ttft_arrival_ms']:.1f} "
+             f"ms, {rows[0]['tokens_per_s']:.0f} tok/s "
              f"({iu.ratio(rows[0]['tokens_per_s'], whole['tokens_per_s']):.2f}x the 2 threads' throughput: above 1, "
              "a second thread does not pay on this machine)"]
     return lines
@@ -171,8 +172,9 @@ def parse_args(argv):
     add("--batch-size", type=iu.int_at_least(1), default=8, help="batch slots of the decode side (and of prefill)")
     add("--block-size", type=iu.int_at_least(1), default=8, help="tokens per KV block of the paged pools")
     add("--chunk-size", type=iu.int_at_least(1), default=16, help="prefill tokens per step of the chunked colocated engine")
-    add("--timeout", type=iu.int_at_least(1), default=120,
-        help="seconds a rank waits for its peer (a transfer, a barrier) before it stops with an error")
+    add("--timeout", type=iu.int_at_least(1), default=300,
+        help="seconds a rank waits for its peer (a transfer, or the barrier while the other runs the colocated "
+             "engine) before it stops with an error; a peer that dies is reported at once")
     args = parser.parse_args(argv)
     if distributed.launched() and distributed.world_size() != 2:
         parser.error(f"disaggregation runs on exactly 2 processes (a prefill and a decode worker), torchrun "
