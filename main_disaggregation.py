@@ -79,7 +79,7 @@ def figures(clock, stats):
 
 def run_variants(model, requests, arrivals, reference, args, rank):
     """Round 0 checks every variant's tokens (nothing is timed if one differs); then --repeats timed
-    rounds, round-robin. Returns {name: [figures per round]} and the last round's clocks (rank 0)."""
+    rounds, round-robin. Returns {name: [figures per round]} and {name: [clock per round]} (rank 0)."""
     n_blocks = args.batch_size * model.seqlen // args.block_size  # a contiguous cache's memory, both sides
     variants = {  # the first: half the CPU, to tell a gain of the split from a machine that 2 threads do not speed up
         "colocated, whole prompts (1 thread)": lambda: serve_colocated(model, requests, arrivals, n_blocks, args,
@@ -91,7 +91,7 @@ def run_variants(model, requests, arrivals, reference, args, rank):
         "disaggregated, 1 prefill + 1 decode worker (1 thread each)": lambda: serve_split(
             model, requests, arrivals, n_blocks, args),
     }
-    results, clocks = {name: [] for name in variants}, {}
+    results, clocks = {name: [] for name in variants}, {name: [] for name in variants}
     bar = tqdm(total=(args.repeats + 1) * len(variants), desc="trace runs (round 0: check)", disable=rank != 0,
                dynamic_ncols=True)
     for i in range(args.repeats + 1):
@@ -108,7 +108,7 @@ def run_variants(model, requests, arrivals, reference, args, rank):
                                       "this is a bug (nothing timed or written)")
             if i > 0:
                 results[name].append(figures(clock, stats))
-                clocks[name] = clock
+                clocks[name].append(clock)
     bar.close()
     return results, clocks
 
@@ -152,14 +152,19 @@ def per_request(clock):
 
 
 def plot_cdfs(clocks, path, preset, device):
+    """The distribution of TTFT and TPOT over the requests of every timed round, per variant."""
     fig, (ax_ttft, ax_tpot) = iu.new_figure(2)
-    for name, clock in clocks.items():
-        for ax, values in zip((ax_ttft, ax_tpot), per_request(clock)):
-            ax.plot(np.sort(values), np.linspace(0, 1, len(values)), label=name.split(" (")[0])
-    ax_ttft.set(xlabel="TTFT from arrival (ms)", ylabel="fraction of requests",
-                title=f"preset {preset.name}, {device}: equal CPU")
-    ax_tpot.set(xlabel="TPOT (ms)", title="TPOT per request (last round)")
-    ax_ttft.legend(fontsize=8)
+    for name, runs in clocks.items():
+        ttft, tpot = (sum(values, []) for values in zip(*(per_request(clock) for clock in runs)))
+        for ax, values in ((ax_ttft, ttft), (ax_tpot, tpot)):
+            ax.plot(np.sort(values), np.linspace(0, 1, len(values)), label=name)
+    ax_ttft.set(xlabel="TTFT from arrival (ms, log)", ylabel="fraction of requests",
+                title=f"preset {preset.name}, {device}: every timed round")
+    ax_tpot.set(xlabel="TPOT (ms, log)", title="TPOT per request")
+    for ax in (ax_ttft, ax_tpot):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter("")  # decades only: the minor labels overlap
+    ax_ttft.legend(fontsize=7)
     iu.save_plot(fig, path)
 
 
