@@ -19,7 +19,8 @@ A peer that dies or stops answering makes the other rank's dist.send / dist.recv
 process group's timeout, one clear error (distributed.collective_errors), never a hang.
 
 The clock. Two processes cannot share serving.ServingClock's simulated clock, so both variants run on
-the wall clock (`LiveClock`, a ServingClock): every rank starts its clock after a barrier, a request is
+the wall clock (`LiveClock`, a ServingClock): every rank starts its clock as it leaves a barrier (the
+two clocks agree up to the ranks' exit skew, not measured here), a request is
 admitted once its arrival time has passed, an idle worker sleeps until the next arrival. A request's
 first token is stamped when the decode worker takes it off the wire (the client gets it from there),
 so TTFT includes the transfer. Figures come from serving.latency_figures.

@@ -138,7 +138,7 @@ def test_two_workers_give_every_request_the_tokens_of_generate_kvcache_and_recom
         assert r["failed_transfers"] == (2 if run == "corrupt" else 0)
         # header + payload of [2, L, P, H, D] float32 per request, as the prefill worker sent them
         assert r["kv_bytes"] == [2 * 2 * p * 3 * 8 * 4 for p in out["prompt_lens"]]
-        assert all(a <= f <= last for a, f, last in zip(r["arrivals"], r["first"], r["last"]))
+        assert all(f <= last for f, last in zip(r["first"], r["last"]))  # one clock: the decode worker's
 
 
 def test_a_prefill_worker_that_dies_stops_the_run_with_a_clear_error(tmp_path):
