@@ -20,9 +20,8 @@ process group's timeout, one clear error (distributed.collective_errors), never 
 
 The clock. Two processes cannot share serving.ServingClock's simulated clock, so both variants run on
 the wall clock (`LiveClock`, a ServingClock): every rank starts its clock as it leaves a barrier (the
-two clocks agree up to the ranks' exit skew, not measured here), a request is
-admitted once its arrival time has passed, an idle worker sleeps until the next arrival. A request's
-first token is stamped when the decode worker takes it off the wire (the client gets it from there),
+two clocks agree up to the ranks' exit skew, not measured here), a request is admitted once its
+arrival time has passed, an idle worker sleeps until the next arrival. A request's first token is stamped when the decode worker takes it off the wire (the client gets it from there),
 so TTFT includes the transfer. Figures come from serving.latency_figures.
 """
 import queue
