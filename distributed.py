@@ -152,8 +152,9 @@ def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=
                 os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
             tail = "\n".join((stderr or "").strip().splitlines()[-5:])
-            raise GPTliteError(f"{Path(script).name} on {nproc} processes did not finish within {timeout_s} s and was "
-                               f"killed (a rank stuck waiting for a peer?)" + (f"; last lines:\n{tail}" if tail else ""))
+            message = (f"{Path(script).name} on {nproc} processes did not finish within {timeout_s} s and was "
+                       "killed (a rank stuck waiting for a peer?)")
+            raise GPTliteError(message + (f"; last lines:\n{tail}" if tail else ""))
         except BaseException:  # Ctrl+C: do not leave workers behind
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
