@@ -107,6 +107,9 @@ RUNS = [
         "throughput and weight memory against the number of distinct adapters, and each adapter's loss",
         quick=("--lora-steps", "2", "--adapter-counts", "1", "4", "--n-tokens", "8", "--repeats", "1",
                "--val-batches", "2")),
+    Run("main_disaggregation", "main_disaggregation.py", "docs/distributed.md", "disaggregation",
+        "TTFT and TPOT per request: the colocated paged engine and the disaggregated pair",
+        quick=("--n-requests", "8", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 
@@ -556,6 +559,17 @@ def multi_lora_headline(r):
             f"each adapter's loss on its speaker against the base's: {gains} nats/char lower; the same tokens")
 
 
+def disaggregation_headline(r):
+    whole, chunked, split = (find(r, v) for v in ("colocated, whole prompts (2", "colocated, chunked prefill",
+                                                  "disaggregated"))
+    ms = lambda row, key: num(row[key], "{:.1f}")  # noqa: E731
+    return ("disaggregated prefill and decode, 2 gloo workers against the colocated paged engine, equal CPU",
+            f"p99 TPOT {ms(split, 'tpot_p99_ms')} ms against {ms(whole, 'tpot_p99_ms')} colocated "
+            f"({ms(chunked, 'tpot_p99_ms')} chunked); p50 TTFT {ms(split, 'ttft_arrival_ms')} against "
+            f"{ms(whole, 'ttft_arrival_ms')} ms; {num(split['kv_sent_KB'], '{:.0f}')} KB of KV per request, sent in "
+            f"{num(split['send_ms'], '{:.2f}')} ms; the same tokens")
+
+
 HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headline,
              "main_semantic_cache": semantic_headline, "main_static_batching": static_headline,
              "main_continuous_batching": continuous_headline,
@@ -569,7 +583,8 @@ HEADLINES = {"main_kvcache": kvcache_headline, "main_prefix_cache": prefix_headl
              "main_continuous_batching_prefix_sharing": prefix_sharing_headline,
              "main_linear_attention": linear_headline,
              "main_tensor_parallel": tensor_parallel_headline,
-             "main_multi_lora": multi_lora_headline}
+             "main_multi_lora": multi_lora_headline,
+             "main_disaggregation": disaggregation_headline}
 
 
 def summary_block(results):

@@ -1,0 +1,179 @@
+"""Disaggregated prefill and decode (disaggregation.py, main_disaggregation.py). The hand-over in one
+process against the model's own KV cache and generate_kvcache; then 2 local gloo processes started with
+torchrun (tests/disagg_worker.py, a tiny model, seconds each): tokens against one process, corrupted
+transfers recomputed, a dead and a silent prefill worker."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import distributed
+import main_disaggregation
+from conftest import TINY
+from disaggregation import LiveClock, admit_prefilled, checksum, engine_parts, kv_of, makespan_throughput
+from gptlite_kvcache import generate_kvcache, prefill
+from paged_engine import Sequence
+
+WORKER = Path(__file__).resolve().parent / "disagg_worker.py"
+SEQLEN = TINY["seqlen"]
+
+
+def prefill_elsewhere(cached, prompt):
+    """The prefill worker's side for one prompt: its first token and payload [2, L, P, H, D]."""
+    scheduler, runner = engine_parts(cached, n_blocks=8, block_size=4, max_seqs=2)
+    seq = Sequence(0, prompt.tolist(), 1)
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    token = runner.run(batch, scheduler.block_manager).tolist()[0]
+    return token, kv_of(runner, scheduler.block_manager, seq, len(prompt))
+
+
+def decode_here(cached, prompt, token, payload, n_tokens):
+    """The decode worker's side: admit the payload into a fresh pool and decode to n_tokens tokens."""
+    scheduler, runner = engine_parts(cached, n_blocks=8, block_size=4, max_seqs=2)
+    seq = Sequence(7, prompt.tolist(), n_tokens, output=[token])
+    assert admit_prefilled(scheduler, runner, seq, payload)
+    while not seq.done:
+        batch = scheduler.schedule()
+        assert batch == [(seq, 1)]  # decode steps only: the prompt is never computed here
+        scheduler.update(batch, runner.run(batch, scheduler.block_manager).tolist())
+    return torch.tensor(seq.tokens)
+
+
+def test_the_payload_holds_the_keys_and_values_of_the_models_own_cache(tiny_models):
+    _, cached = tiny_models
+    prompt = torch.randint(65, (7,), generator=torch.Generator().manual_seed(3))
+    token, payload = prefill_elsewhere(cached, prompt)
+    assert payload.shape == (2, TINY["n_layers"], 7, TINY["n_heads"], TINY["d_head"])
+    first, cache = prefill(cached, prompt[None], None, SEQLEN)
+    for layer, (keys, values) in enumerate(cache):  # [1, H, P, D] per layer
+        assert torch.allclose(payload[0, layer], keys[0].transpose(0, 1), atol=1e-5, rtol=0)
+        assert torch.allclose(payload[1, layer], values[0].transpose(0, 1), atol=1e-5, rtol=0)
+    assert token == first.item()
+
+
+@pytest.mark.parametrize("prompt_len, n_tokens", [(1, 6), (5, 1 + 3), (8, 8)])  # block edges: 4-token blocks
+def test_a_request_handed_over_decodes_the_tokens_of_generate_kvcache(tiny_models, prompt_len, n_tokens):
+    _, cached = tiny_models
+    prompt = torch.randint(65, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
+    token, payload = prefill_elsewhere(cached, prompt)
+    expected = generate_kvcache(cached, prompt[None], n_tokens, SEQLEN)[0]
+    assert torch.equal(decode_here(cached, prompt, token, payload, n_tokens), expected)
+
+
+def test_a_wrong_payload_changes_the_tokens_so_the_check_has_teeth(tiny_models):
+    _, cached = tiny_models
+    prompt = torch.randint(65, (8,), generator=torch.Generator().manual_seed(8))
+    token, _ = prefill_elsewhere(cached, prompt)
+    _, other = prefill_elsewhere(cached, torch.randint(65, (8,), generator=torch.Generator().manual_seed(9)))
+    expected = generate_kvcache(cached, prompt[None], 8, SEQLEN)[0]
+    assert not torch.equal(decode_here(cached, prompt, token, other, 8), expected)  # another prompt's keys
+
+
+def test_handed_over_requests_preempted_by_a_full_pool_are_recomputed_to_the_same_tokens(tiny_models):
+    _, cached = tiny_models
+    scheduler, runner = engine_parts(cached, n_blocks=4, block_size=4, max_seqs=2)  # 16 slots for 2 x 15 tokens
+    prompts = [torch.randint(65, (7,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        token, payload = prefill_elsewhere(cached, prompt)
+        seqs.append(Sequence(i, prompt.tolist(), 8, output=[token]))
+        assert admit_prefilled(scheduler, runner, seqs[-1], payload)
+    while scheduler.running or scheduler.waiting:
+        batch = scheduler.schedule()
+        scheduler.update(batch, runner.run(batch, scheduler.block_manager).tolist())
+    assert scheduler.n_preemptions > 0
+    for seq, prompt in zip(seqs, prompts):
+        assert torch.equal(torch.tensor(seq.tokens), generate_kvcache(cached, prompt[None], 8, SEQLEN)[0])
+
+
+def test_admission_waits_for_a_batch_slot_and_free_blocks(tiny_models):
+    _, cached = tiny_models
+    scheduler, runner = engine_parts(cached, n_blocks=3, block_size=4, max_seqs=1)
+    payload = torch.zeros(2, TINY["n_layers"], 9, TINY["n_heads"], TINY["d_head"])  # 9 tokens: 3 blocks
+    assert admit_prefilled(scheduler, runner, Sequence(0, [1] * 9, 4, output=[2]), payload)
+    assert not admit_prefilled(scheduler, runner, Sequence(1, [1], 4, output=[2]), payload[:, :, :1])  # no slot
+    scheduler.max_seqs = 2
+    assert not admit_prefilled(scheduler, runner, Sequence(1, [1], 4, output=[2]), payload[:, :, :1])  # no block
+    scheduler.block_manager.check_invariants({0: 9})
+
+
+def test_the_checksum_sees_one_changed_word():
+    payload = torch.randn(2, 2, 5, 3, 8, generator=torch.Generator().manual_seed(0))
+    changed = payload.clone()
+    changed.view(-1)[17] = torch.nextafter(changed.view(-1)[17], torch.tensor(1e9))  # the smallest change
+    assert checksum(payload) == checksum(payload.clone()) != checksum(changed)
+
+
+def test_the_live_clock_admits_a_request_only_once_its_arrival_has_passed():
+    clock = LiveClock([0.0, 0.05], [2, 1])
+    assert clock.arrived(0) and not clock.arrived(1)
+    clock.wait_for(1)
+    assert clock.arrived(1) and clock.now >= 0.05
+    with clock.step(rows=0):
+        pass
+    clock.token(0, 1), clock.token(0, 2), clock.token(1, 1)
+    assert clock.last[0] == clock.last[1] == clock.now and clock.n_steps == 1
+    assert makespan_throughput(clock) == 3 / clock.now
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2 processes with torchrun (gloo on CPU).
+
+def run_worker(mode, tmp_path, timeout_s=60):
+    out = tmp_path / "out.json"
+    result = distributed.launch(WORKER, [mode, out], nproc=2, timeout_s=timeout_s)
+    return result, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_two_workers_give_every_request_the_tokens_of_generate_kvcache_and_recompute_corrupted_transfers(tmp_path):
+    result, out = run_worker("check", tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for run in ("clean", "corrupt"):  # the second run: requests 1 and 4 arrive with another checksum
+        r = out[run]
+        assert r["outputs"] == out["reference"]
+        assert [len(o) - p for o, p in zip(r["outputs"], out["prompt_lens"])] == out["n_tokens"]
+        assert r["failed_transfers"] == (2 if run == "corrupt" else 0)
+        # header + payload of [2, L, P, H, D] float32 per request, as the prefill worker sent them
+        assert r["kv_bytes"] == [2 * 2 * p * 3 * 8 * 4 for p in out["prompt_lens"]]
+        assert all(f <= last for f, last in zip(r["first"], r["last"]))  # one clock: the decode worker's
+
+
+def test_a_prefill_worker_that_dies_stops_the_run_with_a_clear_error(tmp_path):
+    result, out = run_worker("die", tmp_path)
+    assert result.returncode != 0 and out is None
+    assert "Root Cause" in result.stderr and "exitcode  : 3" in result.stderr and "rank      : 0" in result.stderr
+
+
+def test_a_prefill_worker_that_stops_answering_gives_a_clear_error_after_the_timeout(tmp_path):
+    result, out = run_worker("hang", tmp_path)
+    assert result.returncode != 0 and out is None
+    assert "error: rank 1: a torch.distributed call failed" in result.stderr
+    assert "did not answer within 3 s" in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# The script's flags: clear errors before any work (nothing is launched).
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "0"], "--rate must be above 0"),
+    (["--prompt-median", "128"], "--prompt-median must be between 1 and seqlen-1=127"),
+    (["--block-size", "129"], "--block-size must be at most seqlen=128"),
+    (["--batch-size", "0"], "must be an integer >= 1|at least 1"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "CUDA|only cpu and cuda"),
+])
+def test_bad_flags_are_clear_errors_before_any_work(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(distributed, "launch", lambda *a, **k: pytest.fail("launched despite a bad flag"))
+    with pytest.raises(SystemExit):
+        main_disaggregation.main(argv + ["--untrained"])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_world_of_other_than_two_processes_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        main_disaggregation.main(["--untrained"])
+    assert "exactly 2 processes" in capsys.readouterr().err
