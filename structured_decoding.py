@@ -156,8 +156,9 @@ class CharGrammar:
 
     def mask_logits(self, matcher, logits, bitmask):
         """Set the logits [1, vocab] of the characters the grammar forbids next to -inf, in place.
-        The bits are unpacked here: xgrammar 0.2.9's CPU apply_token_bitmask_inplace misreads rows
-        after the first when the vocabulary is not a multiple of 32 (GPTlite's 65)."""
+        The bits are unpacked here: xgrammar 0.2.9's CPU apply_token_bitmask_inplace, with a vocabulary
+        that is not a multiple of 32 (GPTlite's 65), writes -inf one element past the end of the row it
+        masks (into the next row's newline logit, or past the tensor)."""
         matcher.fill_next_token_bitmask(bitmask)
         return logits.masked_fill_(~unpack_bits(bitmask, len(self.vocab)).to(logits.device), float("-inf"))
 
