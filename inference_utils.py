@@ -768,6 +768,13 @@ def add_model_args(parser):
                         help="tiny Shakespeare file (default: $GPTLITE_DATA, else data/tinyshakespeare.txt)")
 
 
+def script_parser(doc):
+    """A script's argument parser: its docstring as the help text, and the common flags."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    return parser
+
+
 def add_common_args(parser):
     add_model_args(parser)
     parser.add_argument("--untrained", action="store_true",

@@ -240,8 +240,7 @@ def batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64, rate=200.0)
     at_least = iu.int_at_least
     parser.add_argument("--batch-size", type=at_least(1), default=8, help="batch slots of every variant")

@@ -27,7 +27,6 @@ after a check round whose tokens must equal generating each request alone with g
 TTFT and TPOT from arrival (serving.latency_figures), throughput over the makespan, the KV bytes sent
 per request and the time the sends took, failed transfers (recomputed, never lost).
 """
-import argparse
 import contextlib
 import io
 import os
@@ -169,8 +168,7 @@ def plot_cdfs(clocks, path, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64, rate=40.0)
     parser.set_defaults(prompt_median=80, output_median=24)  # long prompts: prefills interfere with decodes
     add = parser.add_argument

@@ -18,7 +18,6 @@ preset that gptlite.py trains on hard labels alone.
 The student of `gptlite` is the `distilled` preset (half the width, half the layers, 4 heads instead of
 6). Other presets get a student by the same rule (see student_preset), e.g. cpu: 0.83M -> 0.13M parameters.
 """
-import argparse
 import dataclasses
 import functools
 import math
@@ -108,8 +107,7 @@ def plot_histories(histories, teacher_loss, path, title):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--iters", type=iu.int_at_least(1), default=None, help=f"training steps of each student "
         f"(default: {DEFAULT_ITERS['cpu']} for the cpu preset, else the student preset's)")

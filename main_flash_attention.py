@@ -16,7 +16,6 @@ there an explicit shifted boolean mask is passed instead (and no mask for one ne
 GPTlite's window is 128 tokens, so the long-context benchmark (attention_benchmark.py) runs the
 attention functions alone on random Q, K, V with GPTlite's head shape, up to 8,192 tokens and more.
 """
-import argparse
 import copy
 import warnings
 from contextlib import nullcontext
@@ -186,8 +185,7 @@ def long_context(args, n_heads, d_head, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     at_least = iu.int_at_least
     parser.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt length in characters")
     parser.add_argument("--n-tokens", type=at_least(2), default=64, help="new tokens generated per prompt")

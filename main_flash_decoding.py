@@ -18,7 +18,6 @@ Checks before any timing: flash_decoding against the reference attention for eve
 benchmark (random inputs, float32, atol 1e-5), and a cached GPTlite whose decode steps use it gives the
 same tokens (and logits within 1e-4) as the reference model.
 """
-import argparse
 import copy
 
 import torch
@@ -169,8 +168,7 @@ def check_args(args, parser):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     at_least = iu.int_at_least
     parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[1024, 4096, 16384, 65536],
                         help="cache lengths of the decode-attention benchmark, increasing")

@@ -16,7 +16,6 @@ tokens, and every variant's cached decoding gives the logits of its full forward
 written unless every check passes. With --save PATH the uptrained GQA model (config with n_groups) is
 kept: load it with gptlite_gqa.load_gqa(PATH).
 """
-import argparse
 import math
 
 import torch
@@ -78,8 +77,7 @@ def plot_results(rows, path, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--uptrain-steps", type=iu.int_at_least(1), default=None,
         help="training steps after conversion, for every variant (default: 5%% of the preset's)")

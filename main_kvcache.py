@@ -13,7 +13,6 @@ the sequence fits the window (the first seqlen - prompt_len + 1 new tokens); pas
 keeps the last seqlen entries (positions frozen at seqlen-1), an approximation of the sliding window,
 so later tokens may differ and are only counted.
 """
-import argparse
 
 import numpy as np
 import torch
@@ -102,8 +101,7 @@ def plot_tpot_sweep(sweep, path, preset, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     parser.add_argument("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length in characters")
     parser.add_argument("--n-tokens", type=iu.int_at_least(2), default=128, help="new tokens generated per prompt")
     parser.add_argument("--batch-sizes", type=iu.int_at_least(1), nargs="+", default=[1, 8],

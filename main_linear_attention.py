@@ -22,7 +22,6 @@ Checks first: every linear model's chunked form gives the logits of its recurren
 plus one-token decoding with the carried state gives the logits of the full pass. Nothing is written
 unless they pass.
 """
-import argparse
 import math
 import statistics
 
@@ -230,8 +229,7 @@ def plot_results(quality, context, recall, pairs, path, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--contexts", type=iu.int_at_least(1), nargs="+", default=[128, 256, 512, 1024],
         help="prompt lengths of the memory and time part (tokens)")

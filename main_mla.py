@@ -16,7 +16,6 @@ min(2 * n_heads * d_head, d_model) reproduces the multi-head model's logits; cac
 the full forward pass. With --plot the GQA/MQA points of the loss-against-cache chart are made here,
 by the GQA conversion and the same uptraining budget, so that both curves share one run.
 """
-import argparse
 
 import torch
 
@@ -129,8 +128,7 @@ def plot_loss_against_cache(rows, gqa, path, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     parser.add_argument("--latents", type=iu.int_at_least(1), nargs="+", default=None,
                         help="latent sizes d_latent of the sweep (default: the full rank, 1/2 and 1/4 of it)")
     add = parser.add_argument

@@ -19,7 +19,6 @@ reads the keys that the cost formula counts. Nothing is trained or written unles
 uptrained models are saved as checkpoints/<preset>_moba_b<block>_k<top-k>_s<steps>.pt and reused by
 later runs with the same base checkpoint, learning rate and seed.
 """
-import argparse
 
 import torch
 
@@ -116,8 +115,7 @@ def plot_results(rows, path, preset, block_size):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--block-size", type=iu.int_at_least(1), default=16, help="tokens per key block")
     add("--top-k", type=iu.int_at_least(1), nargs="+", default=[4, 2, 1],

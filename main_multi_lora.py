@@ -21,7 +21,6 @@ adapters are random (a stand-in: the cost of an adapter does not depend on its v
 Checks first: with every adapter in the batch, both ways give the tokens of each request generated alone
 with its merged adapter, and the adapters taken out of peft give peft's logits (when trained in this run).
 """
-import argparse
 import copy
 
 import torch
@@ -153,8 +152,7 @@ def plot_results(rows, losses, path, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--rank", type=iu.int_at_least(1), default=8, help="LoRA rank r of every adapter")
     add("--alpha", type=iu.positive_float, default=None, help="LoRA alpha; the update is scaled by alpha / r "

@@ -22,7 +22,6 @@ The timed store requests use `update=False`, so that every repeat meets the same
 A prompt longer than seqlen cannot reuse blocks (positions are absolute): the script sends one and
 checks that the store falls back to plain generation, counted and said.
 """
-import argparse
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,8 +198,7 @@ def plot_sweep(sweep, path, request_len, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     at_least = iu.int_at_least
     parser.add_argument("--prefix-len", type=at_least(1), default=96, help="tokens of the shared prefix (system prompt)")
     parser.add_argument("--request-len", type=at_least(1), default=16,

@@ -20,7 +20,6 @@ importance against pruning random heads and neurons. Nothing is written unless e
 with --save PATH the best pruned model is kept, a plain GPTlite whose config has n_heads and d_ff:
 iu.load_checkpoint(PATH), then GPTlite(**ckpt["config"]).
 """
-import argparse
 import copy
 import functools
 
@@ -223,8 +222,7 @@ def n_stages(keep, step):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--iters", type=iu.int_at_least(1), default=None,
         help=f"distillation steps of each variant (default: {DEFAULT_ITERS['cpu']} for the cpu preset, else 2000)")

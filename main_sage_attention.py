@@ -19,7 +19,6 @@ the variant in every layer, the bytes of Q and K read per token and head, and ti
 SageAttention's speed-up (about 2x FlashAttention2 on GPUs) needs a fused kernel; this eager version
 shows the numerics and the INT8 product's own speed, not that.
 """
-import argparse
 import copy
 import math
 
@@ -286,8 +285,7 @@ def plot(rows, path, title):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     at_least = iu.int_at_least
     parser.add_argument("--val-batches", type=at_least(1), default=10,
                         help="validation batches (of 32 x seqlen) for the loss")

@@ -26,7 +26,6 @@ The post's usage works with the names it imports from here:
     cache = SemanticCache(sentence_transformer_embedder(), threshold=0.85)
     answer, similarity, hit = cache(query, generate_fn)
 """
-import argparse
 import csv
 import io
 from pathlib import Path
@@ -139,8 +138,7 @@ def format_sweep(points):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     parser.add_argument("--threshold", type=iu.float_in(-1, 1), default=sc.DEFAULT_THRESHOLD,
                         help=f"least cosine similarity served from the cache (default {sc.DEFAULT_THRESHOLD}, "
                              "chosen from the sweep: see the README)")

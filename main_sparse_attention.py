@@ -14,7 +14,6 @@ entries per layer and head at a decode step (kv_budget.py); a budget of the whol
    tokens (the exact reference), a window-only cache and 4 sinks + window on the rotary GPTlite (keys
    cached before rotation, positions = slots), and the post's clamp-at-seqlen-1 cache on GPTlite.
 """
-import argparse
 
 import torch
 import torch.nn.functional as F
@@ -171,8 +170,7 @@ def plot_results(rows, losses, segment, W, path, preset):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--budgets", type=iu.int_at_least(1), nargs="+", default=[16, 32, 64],
         help="KV budgets, entries per layer and head (at most the window; at least n_sink + 1 and the page size)")

@@ -15,7 +15,6 @@ lengths), checks that static batching returns, for every request, exactly the to
 it alone with `generate_kvcache`, and prints steps, wasted slot-steps, throughput and latency per
 batch size. TTFT/TPOT come from the serving clock of serving.py (measured step times).
 """
-import argparse
 from collections import deque
 
 import torch
@@ -74,8 +73,7 @@ def static_batching(model, requests, batch_size, seqlen, clock=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64)  # offline: every request at time 0
     parser.add_argument("--batch-sizes", type=iu.int_at_least(1), nargs="+", default=[1, 8],
                         help="requests per static batch, a row each")

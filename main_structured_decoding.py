@@ -17,7 +17,6 @@ Columns: outputs the grammar accepts (the engine; Python's re too for the regex)
 output character, time per character, mask time per step against forward time per call, and the
 validation loss of the corpus's own turns that fit the grammar, with and without the mask.
 """
-import argparse
 import re
 import statistics
 import time
@@ -205,8 +204,7 @@ def plot_results(rows, path, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--speakers", nargs="+", default=None, metavar="NAME",
         help="speaker names the grammars allow, as the corpus writes them (default: the 8 who speak most "

@@ -26,7 +26,6 @@ Per variant: weights and KV cache (full window, the large batch) per rank, the p
 of prompts, TPOT at batch 1 and at the large batch, and the all-reduce share of each (wall time inside
 dist.all_reduce, waiting for the slower rank included, over the step's time) with its bytes per token.
 """
-import argparse
 import contextlib
 import io
 import statistics
@@ -157,8 +156,7 @@ def plot_results(rows, path, preset, device):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    iu.add_common_args(parser)
+    parser = iu.script_parser(__doc__)
     add = parser.add_argument
     add("--ranks", type=iu.int_at_least(1), default=1,
         help="processes on this machine: with N > 1 the script starts itself under torchrun "
