@@ -809,6 +809,13 @@ def setup(args, parser, check_args=None):
     return preset, device, load_data(args.data)
 
 
+def require_checks(checks):
+    """Stop with one clear error, before anything is written, when a check ({name: ok}) failed."""
+    failures = [name for name, ok in checks.items() if not ok]
+    if failures:
+        raise GPTliteError(f"checks failed: {'; '.join(failures)}; this is a bug (nothing written)")
+
+
 def run(main):
     """Run a script's main(); our own errors are printed as one clear line, without a traceback."""
     try:

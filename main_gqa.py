@@ -124,9 +124,7 @@ def main(argv=None):
                "cached decoding equals the full forward pass for " + ", ".join(
                    f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items() if name != "MHA conversion exact")]
     print("\n".join(summary))
-    failures = [name for name, ok in checks.items() if not ok]
-    if failures:
-        raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug (nothing written)")
+    iu.require_checks(checks)
 
     if args.save is not None:
         row = next(r for r in rows if r["n_groups"] == save_groups)

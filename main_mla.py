@@ -172,9 +172,7 @@ def main(argv=None):
                "per token and layer. " + iu.peak_memory_label(device)]
     summary += [f"check {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
     print("\n".join(summary))
-    failures = [name for name, ok in checks.items() if not ok]
-    if failures:
-        raise iu.GPTliteError(f"checks failed: {'; '.join(failures)}; this is a bug (nothing written)")
+    iu.require_checks(checks)
 
     gqa = gqa_points(base, data, preset, window, steps, lr, args.seed, device) if args.plot else []
     if args.plot:

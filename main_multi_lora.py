@@ -231,9 +231,7 @@ def main(argv=None):
                  for r in losses),
                "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
     print("\n".join(summary))
-    failures = [name for name, ok in checks.items() if not ok]
-    if failures:
-        raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug (nothing written)")
+    iu.require_checks(checks)
     if args.plot:
         plot_results(rows, losses, args.plot, preset, device)
     if args.json:

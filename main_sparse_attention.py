@@ -212,9 +212,7 @@ def main(argv=None):
     n_fit = min(args.n_tokens, preset.seqlen - args.prompt_len + 1)  # exact while the context fits the window
     full = [kb.make_method(name, preset.seqlen, args.n_sink, args.page_size) for name in METHODS]
     checks = run_checks(base, cached, rope, windows[:, :-1], prompts, n_fit, full)
-    failures = [name for name, ok in checks.items() if not ok]
-    if failures:
-        raise iu.GPTliteError(f"checks failed: {', '.join(failures)}; this is a bug (nothing written)")
+    iu.require_checks(checks)
 
     rows = quality_rows(base, windows, prompts, args.n_tokens, args.budgets, args.n_sink, args.page_size)
     W, stream = preset.seqlen, data.val[:args.stream_chars + 1].to(device)

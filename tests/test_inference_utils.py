@@ -533,3 +533,9 @@ def test_compare_generation_reports_tpot_from_the_medians_and_none_inside_the_no
     assert result["ttft_ms"] == pytest.approx(12.0) and result["tpot_ms"] == pytest.approx(0.9)  # (21 - 12) / 10
     ttft_jitter = iter([0.0, 0.002, 0.001] * 2)
     assert iu.compare_generation({"a": fn}, n_tokens=2, batch_size=2, warmup=0, repeats=3)["a"]["tpot_ms"] is None
+
+
+def test_require_checks_names_every_failed_check():
+    iu.require_checks({"same tokens": True, "same logits": True})
+    with pytest.raises(iu.GPTliteError, match=r"checks failed: same logits; cache; this is a bug"):
+        iu.require_checks({"same tokens": True, "same logits": False, "cache": False})
