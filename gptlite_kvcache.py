@@ -127,6 +127,20 @@ class MultiHeadAttention_KVCache(MultiHeadAttention):
         return scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=self.dropout)
 
 
+def swap_attention(model, attention_class, **attrs):
+    """Make every block's attention of a GPTlite_KVCache an `attention_class` (a subclass of
+    MultiHeadAttention_KVCache that overrides `attention`), with `attrs` set, in place: weights, device
+    and state dict stay. Every block is checked before any is changed. Returns model."""
+    for block in model.blocks:
+        if not isinstance(block.mha, MultiHeadAttention_KVCache):
+            raise ValueError(f"{attention_class.__name__} needs a GPTlite_KVCache, got a {type(block.mha).__name__}")
+    for block in model.blocks:
+        block.mha.__class__ = attention_class
+        for name, value in attrs.items():
+            setattr(block.mha, name, value)
+    return model
+
+
 class Block_KVCache(Block):
     def __init__(self, d_model, n_heads, d_head, dropout_p, d_ff=None):
         super().__init__(d_model, n_heads, d_head, dropout_p, d_ff)

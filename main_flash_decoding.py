@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import inference_utils as iu
-from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
+from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as reference_attention
 
 ATOL = 1e-5  # float32 attention outputs on random unit inputs
@@ -75,13 +75,7 @@ def use_flash_decoding(model, n_splits):
     each attention module is swapped, weights stay). Returns model."""
     if isinstance(n_splits, bool) or not isinstance(n_splits, int) or n_splits < 1:
         raise ValueError(f"n_splits must be a positive integer, got {n_splits!r}")
-    for block in model.blocks:
-        if not isinstance(block.mha, MultiHeadAttention_KVCache):
-            raise ValueError(f"use_flash_decoding needs a GPTlite_KVCache, got a {type(block.mha).__name__}")
-    for block in model.blocks:
-        block.mha.__class__ = MultiHeadAttention_FlashDecoding
-        block.mha.n_splits = n_splits
-    return model
+    return swap_attention(model, MultiHeadAttention_FlashDecoding, n_splits=n_splits)
 
 
 def sdpa_decode(q, k, v):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import inference_utils as iu
-from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
+from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as exact_attention
 
 ATOL = 1e-5  # float32 attention outputs: the smoothing invariance
@@ -128,13 +128,7 @@ class MultiHeadAttention_Sage(MultiHeadAttention_KVCache):
 
 def use_attention(model, attend):
     """Make every attention module of a GPTlite_KVCache compute with attend(q, k, v, causal), in place."""
-    for block in model.blocks:
-        if not isinstance(block.mha, MultiHeadAttention_KVCache):
-            raise ValueError(f"use_sage_attention needs a GPTlite_KVCache, got a {type(block.mha).__name__}")
-    for block in model.blocks:
-        block.mha.__class__ = MultiHeadAttention_Sage
-        block.mha.attend = attend
-    return model
+    return swap_attention(model, MultiHeadAttention_Sage, attend=attend)
 
 
 def use_sage_attention(model, **options):

@@ -90,22 +90,21 @@ class Task:
     examples: list  # (offset, text) of the validation text that the grammar accepts, for the loss
 
 
-def make_tasks(speakers, data, seqlen, max_lines, max_line_chars):
-    val_text = data.decode(data.val.tolist())
-    turns = sd.corpus_turns(val_text)
+def make_tasks(speakers, vocab, turns, seqlen, max_lines, max_line_chars):
+    """The three grammars, each with the validation turns (offset, text) it accepts for the loss."""
     # a full window of validation text ends with the text: 32 characters of context at least
     fits = lambda g, i, text: i >= seqlen and len(text) <= seqlen - 32 and g.accepts(text)
-    turn = sd.CharGrammar(sd.turn_grammar(speakers, max_lines, max_line_chars), data.vocab)
-    direction = sd.CharGrammar(sd.stage_direction_grammar(speakers), data.vocab)
-    reply = sd.CharGrammar(sd.reply_regex(speakers, max_line_chars), data.vocab, kind="regex")
+    turn = sd.CharGrammar(sd.turn_grammar(speakers, max_lines, max_line_chars), vocab)
+    direction = sd.CharGrammar(sd.stage_direction_grammar(speakers), vocab)
+    reply = sd.CharGrammar(sd.reply_regex(speakers, max_line_chars), vocab, kind="regex")
     return [Task("play turn (EBNF)", turn, r"\n\n", [(i, t) for i, t in turns if fits(turn, i, t)]),
             Task("stage direction (EBNF)", direction, r"\n", []),  # the corpus has none
             Task("one-line reply (regex)", reply, r"\n.*\n", [(i, t[:-1]) for i, t in turns if fits(reply, i, t[:-1])])]
 
 
-def turn_prompts(data, n_prompts, prompt_len, seed, device):
-    """The validation text just before n_prompts turns, chosen at random: [n_prompts, prompt_len]."""
-    starts = [i for i, _ in sd.corpus_turns(data.decode(data.val.tolist())) if i >= prompt_len]
+def turn_prompts(data, turns, n_prompts, prompt_len, seed, device):
+    """The validation text just before n_prompts of its turns, chosen at random: [n_prompts, prompt_len]."""
+    starts = [i for i, _ in turns if i >= prompt_len]
     pick = torch.randperm(len(starts), generator=torch.Generator().manual_seed(seed))[:n_prompts]
     return torch.stack([data.val[starts[i] - prompt_len:starts[i]] for i in pick.tolist()]).to(device)
 
@@ -217,12 +216,12 @@ def parse_args(argv):
     return parser, parser.parse_args(argv)
 
 
-def check_speakers(parser, args, data):
+def check_speakers(parser, args, data, val_text):
     """--speakers against the corpus, or the default: the most frequent speakers of the validation text."""
     if args.speakers is None:
-        return [name for name, _ in sd.corpus_speakers(data.decode(data.val.tolist())).most_common(8)]
+        return [name for name, _ in sd.corpus_speakers(val_text).most_common(8)]
     try:
-        sd.check_speakers(args.speakers, sd.corpus_speakers(data.decode(torch.cat([data.train, data.val]).tolist())))
+        sd.check_speakers(args.speakers, sd.corpus_speakers(data.decode(data.train.tolist()) + val_text))
     except ValueError as e:
         parser.error(f"--speakers: {e}")
     return args.speakers
@@ -231,15 +230,17 @@ def check_speakers(parser, args, data):
 def main(argv=None):
     parser, args = parse_args(argv)
     preset, device, data = iu.setup(args, parser)
-    speakers = check_speakers(parser, args, data)
-    tasks = make_tasks(speakers, data, preset.seqlen, args.max_lines, args.max_line_chars)
+    val_text = data.decode(data.val.tolist())
+    speakers = check_speakers(parser, args, data, val_text)
     max_chars = max(map(len, speakers)) + 3 + args.max_lines * (args.max_line_chars + 1)  # the longest turn
     if args.prompt_len + max_chars > preset.seqlen:  # past the window the post's cache drifts (gptlite_kvcache.py)
         parser.error(f"a prompt of {args.prompt_len} and the longest turn ({max_chars} characters) exceed the window "
                      f"of {preset.seqlen}: lower --prompt-len, --max-lines or --max-line-chars")
+    turns = sd.corpus_turns(val_text)
+    tasks = make_tasks(speakers, data.vocab, turns, preset.seqlen, args.max_lines, args.max_line_chars)
 
     model = iu.kv_cache_model(iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed))
-    prompts = turn_prompts(data, args.n_outputs, args.prompt_len, args.seed, device)
+    prompts = turn_prompts(data, turns, args.n_outputs, args.prompt_len, args.seed, device)
     losses = {(t.name, masked): grammar_loss(model, t, data, preset.seqlen, masked)
               for t in tasks for masked in (False, True)}
     results, checks = measure(model, prompts, tasks, max_chars, preset.seqlen, data.vocab, args.repeats)
