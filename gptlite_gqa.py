@@ -19,6 +19,8 @@ import torch.nn as nn
 
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, \
     scaled_dot_product_attention_kv_cache
+from lib.errors import CheckpointError
+from lib import files
 
 
 def group_counts(n_heads):
@@ -112,10 +114,9 @@ def gqa_from_mha(mha_state, config, n_groups):
 def load_gqa(path, device="cpu"):
     """The uptrained GPTlite_GQA that `python main_gqa.py --save PATH` saved (its config holds n_groups),
     in eval mode."""
-    import inference_utils as iu
-    ckpt = iu.load_checkpoint(path, rebuild=f"python main_gqa.py --save {path}")
+    ckpt = files.load_checkpoint(path, rebuild=f"python main_gqa.py --save {path}")
     if "n_groups" not in ckpt["config"]:
-        raise iu.CheckpointError(f"{path} is not a GQA checkpoint (no n_groups in its config); "
+        raise CheckpointError(f"{path} is not a GQA checkpoint (no n_groups in its config); "
                                  f"make one with: python main_gqa.py --save {path}")
     model = GPTlite_GQA(**ckpt["config"])
     model.load_state_dict(ckpt["state_dict"])

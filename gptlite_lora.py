@@ -17,6 +17,8 @@ import torch.nn as nn
 
 import inference_utils as iu
 from gptlite_kvcache import generate_kvcache
+from lib.errors import GPTliteError
+from lib import corpus
 
 # The linear layers an adapter may target, named as in a block (peft's target_modules match these suffixes).
 LORA_TARGETS = ("query_proj", "key_proj", "value_proj", "out_proj", "ffwd.net.0", "ffwd.net.2")
@@ -107,7 +109,7 @@ def adapter_from_peft(peft, base):
         for i, name in enumerate(adapter.names):
             layer = modules[name]
             if layer.scaling["default"] != adapter.scaling:
-                raise iu.GPTliteError(f"peft's scale {layer.scaling['default']} at {name} is not alpha / r = "
+                raise GPTliteError(f"peft's scale {layer.scaling['default']} at {name} is not alpha / r = "
                                       f"{adapter.scaling}; this is a bug")
             adapter.A[i].copy_(layer.lora_A["default"].weight)  # [r, in]
             adapter.B[i].copy_(layer.lora_B["default"].weight)  # [out, r]
@@ -243,21 +245,21 @@ def speakers_by_text(text):
 
 
 def speaker_data(data, speaker, seqlen, min_windows=8):
-    """An iu.Data of one speaker's turns in tiny Shakespeare's validation split (text the base model never
+    """An corpus.Data of one speaker's turns in tiny Shakespeare's validation split (text the base model never
     trained on): the first 80% to fine-tune on, the last 20% to validate on. An unknown name or too little
     text is a clear error."""
     text = data.decode(data.val.tolist())
     turns = speaker_turns(text, speaker)
     if not turns:
-        raise iu.GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare's validation split (names are upper case "
+        raise GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare's validation split (names are upper case "
                               f"as in the text); the most lines: {', '.join(speakers_by_text(text)[:8])}")
     n_train = int(0.8 * len(turns))
     if len(turns) - n_train < min_windows + seqlen + 1:
-        raise iu.GPTliteError(f"speaker {speaker!r} has {len(turns):,} characters in the validation split, too few "
+        raise GPTliteError(f"speaker {speaker!r} has {len(turns):,} characters in the validation split, too few "
                               f"for held-out windows of {seqlen}; pick one with more lines, e.g. "
                               f"{', '.join(speakers_by_text(text)[:4])}")
     tokens = torch.tensor(data.encode(turns))
-    return iu.Data(vocab=data.vocab, train=tokens[:n_train], val=tokens[n_train:])
+    return corpus.Data(vocab=data.vocab, train=tokens[:n_train], val=tokens[n_train:])
 
 
 def slug(speaker):

@@ -8,11 +8,15 @@ absolute: a cached key carries the position it was computed at, so it cannot be 
 holds the keys *before* rotation and rotates them at attention time by their slot in the cache, so an
 evicted entry lets the later ones move up a position: StreamingLLM's "positions within the cache".
 """
+import argparse
+
 import torch
 import torch.nn as nn
 
 from gptlite import GPTlite
 from gptlite_kvcache import Block_KVCache, MultiHeadAttention_KVCache, scaled_dot_product_attention_kv_cache
+import inference_utils as iu
+from lib import files, harness, presets
 
 
 def rope_tables(n_positions, d_head, base=10000.0):
@@ -87,8 +91,7 @@ class GPTlite_RoPE(GPTlite):
 
 
 def rope_checkpoint(preset):
-    import inference_utils as iu
-    return iu.checkpoint_path(f"{iu.get_preset(preset).name}_rope")
+    return files.checkpoint_path(f"{presets.get_preset(preset).name}_rope")
 
 
 def rebuild_command(preset):
@@ -97,46 +100,35 @@ def rebuild_command(preset):
 
 def train_rope(preset, data, device, iters=None, seed=0, path=None):
     """Train GPTlite_RoPE with gptlite.py's recipe (steps, batch, learning rate, seed); save it atomically."""
-    import inference_utils as iu
-    iters = iters or preset.iters
+    recipe = iu.preset_recipe(preset, iters, seed)
     torch.manual_seed(seed)
     model = GPTlite_RoPE(**preset.model_config()).to(device)
-    print(f"training the rotary GPTlite ({iu.n_params(model) / 1e6:.2f}M parameters) for {iters} steps on {device}")
-    history = iu.train_steps(model, data, iters, preset.batch_size, preset.seqlen, preset.lr, seed=seed,
-                             desc=f"training {preset.name}_rope")
-    path = path or rope_checkpoint(preset)
-    iu.save_checkpoint(path, model, preset.model_config(), data.vocab, rebuild=rebuild_command(preset),
-                       preset=preset.name, iters=iters, seed=seed, val_loss=history[-1]["val_loss"])
-    print(f"saved {path} (validation loss {history[-1]['val_loss']:.4f})")
-    return model.eval()
+    print(f"training the rotary GPTlite ({iu.n_params(model) / 1e6:.2f}M parameters) for {recipe['iters']} steps "
+          f"on {device}")
+    train = lambda m: iu.train_recipe(m, data, recipe, f"training {preset.name}_rope")  # noqa: E731
+    return iu.train_and_save(model, preset.model_config(), path or rope_checkpoint(preset), train, data.vocab,
+                             rebuild_command(preset), stamp=recipe)[0]
 
 
 def load_rope(preset, device, data, untrained=False, seed=0):
-    """The rotary GPTlite of checkpoints/<preset>_rope.pt, trained first when missing (random with untrained)."""
-    import inference_utils as iu
-    if untrained:
-        torch.manual_seed(seed)
-        return GPTlite_RoPE(**preset.model_config()).to(device).eval()
-    path = rope_checkpoint(preset)
-    if not path.exists():
-        print(f"no checkpoint at {path}: training the rotary GPTlite first (once)")
-        return train_rope(preset, data, device, seed=seed)
-    ckpt = iu.load_checkpoint(path, config=preset.model_config(), vocab=data.vocab, rebuild=rebuild_command(preset))
-    model = GPTlite_RoPE(**ckpt["config"])
-    model.load_state_dict(ckpt["state_dict"])
-    return model.to(device).eval()
+    """The rotary GPTlite of checkpoints/<preset>_rope.pt, trained first when missing or stale (random with
+    untrained)."""
+    recipe = iu.preset_recipe(preset, seed=seed)
+    torch.manual_seed(seed)
+    model = GPTlite_RoPE(**preset.model_config()).to(device)
+    train = lambda m: iu.train_recipe(m, data, recipe, f"training {preset.name}_rope")  # noqa: E731
+    return iu.cached_model(model, preset.model_config(), rope_checkpoint(preset), train, data.vocab,
+                           rebuild_command(preset), stamp=recipe, untrained=untrained, retrains=True)[0]
 
 
 def main():
-    import argparse
-    import inference_utils as iu
 
     parser = argparse.ArgumentParser(description="Train the rotary-position GPTlite and print a sample.")
-    iu.add_model_args(parser)
-    parser.add_argument("--iters", type=iu.int_at_least(1), default=None, help="training steps (default: the preset's)")
-    parser.add_argument("--sample-tokens", type=iu.int_at_least(1), default=200, help="length of the printed sample")
+    harness.add_model_args(parser)
+    parser.add_argument("--iters", type=harness.int_at_least(1), default=None, help="training steps (default: the preset's)")
+    parser.add_argument("--sample-tokens", type=harness.int_at_least(1), default=200, help="length of the printed sample")
     args = parser.parse_args()
-    preset, device, data = iu.setup(args, parser)
+    preset, device, data = harness.setup(args, parser)
     model = train_rope(preset, data, device, iters=args.iters, seed=args.seed)
     tokens = torch.tensor([data.encode("\n")], device=device)
     with torch.inference_mode():
@@ -147,5 +139,4 @@ def main():
 
 
 if __name__ == "__main__":
-    import inference_utils
-    inference_utils.run(main)
+    harness.run(main)

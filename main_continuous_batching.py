@@ -32,10 +32,12 @@ import torch
 from tqdm import tqdm
 
 import inference_utils as iu
-import serving
+from lib import serving
 from gptlite import GPTlite
 from main_static_batching import next_tokens, static_batching
-from paged_engine import PagedEngine
+from lib.paged_engine import PagedEngine
+from lib.errors import GPTliteError
+from lib import harness, training
 
 
 def continuous_batching(model, requests, batch_size, seqlen, clock=None):
@@ -118,7 +120,7 @@ def make_rows(results, reference):
         figures = serving.median_figures([f for _, f in runs])
         same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
         kv_util, contiguous = figures.get("kv_util"), figures.get("kv_util_contiguous")
-        rows.append(iu.make_row(name, kv_cache_mb=figures.get("kv_cache_mb"), peak_mem_mb=figures.get("peak_mem_mb"),
+        rows.append(harness.make_row(name, kv_cache_mb=figures.get("kv_cache_mb"), peak_mem_mb=figures.get("peak_mem_mb"),
                                 **{k: figures[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
                                                            "tpot_p99_ms", "tokens_per_s")},
                                 steps=figures["steps"], wasted=figures["wasted_slot_steps"],
@@ -135,7 +137,7 @@ def sharing_rows(trace, results, reference):
     for name, runs in results.items():
         f = serving.median_figures([f for _, f in runs])
         same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
-        rows.append(iu.make_row(f"{trace}, {'prefix sharing' if name.endswith('sharing') else 'no sharing'}",
+        rows.append(harness.make_row(f"{trace}, {'prefix sharing' if name.endswith('sharing') else 'no sharing'}",
                                 **{k: f[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
                                                      "tpot_p99_ms", "tokens_per_s")},
                                 steps=f["steps"], computed=f["computed_tokens"], hit_rate=round(f["hit_rate"], 3),
@@ -187,19 +189,19 @@ def run_prefix_sharing(base, data, args, preset, device):
           f"chunked prefill {args.chunk_size}, batch size {args.batch_size}, KV blocks of {args.block_size} tokens; "
           f"median of {args.repeats} runs, round-robin. hit_rate: prompt tokens found cached / prompt tokens; "
           "kv_blocks: blocks held by sequences (a shared one once), mean over steps and peak; cow: copies on write")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     print("\n".join(summary))
     failures = [r["variant"] for r in rows if r["same"] != "yes"]
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
     if args.json:
-        iu.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
                      summary=summary, batch_size=args.batch_size, block_size=args.block_size,
                      system_len=args.system_len, turns=args.turns, think_time=args.think_time, **extra)
 
 
 def plot_sweep(sweep, path, preset, device, rate):
-    fig, (ax_tput, ax_tpot) = iu.new_figure(2)
+    fig, (ax_tput, ax_tpot) = harness.new_figure(2)
     for name, points in sweep["variants"].items():
         ax_tput.plot(sweep["batch_sizes"], points["tokens_per_s"], marker="o", label=name)
         ax_tpot.plot(sweep["batch_sizes"], points["tpot_p99_ms"], marker="o", label=name)
@@ -210,7 +212,7 @@ def plot_sweep(sweep, path, preset, device, rate):
     ax_tput.set(ylabel="throughput (new tokens / s of steps)", title=f"preset {preset.name}, {device}, rate {rate:g}/s")
     ax_tpot.set(ylabel="p99 TPOT (ms)", title="p99 TPOT, from arrival")
     ax_tput.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def summary_lines(rows, args, device):
@@ -240,9 +242,9 @@ def batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device):
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64, rate=200.0)
-    at_least = iu.int_at_least
+    at_least = harness.int_at_least
     parser.add_argument("--batch-size", type=at_least(1), default=8, help="batch slots of every variant")
     parser.add_argument("--block-size", type=at_least(1), default=8, help="tokens per KV block of the paged engine")
     parser.add_argument("--n-blocks", type=at_least(1), default=None,
@@ -281,7 +283,7 @@ def main(argv=None):
         if args.prefix_sharing:
             serving.check_sharing_args(args, parser, preset.seqlen)
 
-    preset, device, data = iu.setup(args, parser, check_args)
+    preset, device, data = harness.setup(args, parser, check_args)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     if args.prefix_sharing:
         return run_prefix_sharing(base, data, args, preset, device)
@@ -289,7 +291,7 @@ def main(argv=None):
     requests, arrivals = serving.make_trace(data.val, args.n_requests, args.rate, seqlen, args.prompt_median,
                                             args.output_median, seed=args.seed, device=device)
     reference = serving.reference_outputs(iu.kv_cache_model(base), requests, seqlen)  # correctness first
-    val_loss = iu.validation_loss(base, data)
+    val_loss = training.validation_loss(base, data)
 
     results = run_variants(base, requests, arrivals, args.batch_size, args, seqlen, device, memory=True)
     rows = make_rows(results, reference)
@@ -303,7 +305,7 @@ def main(argv=None):
           "arrival, queueing included (then its p99); TPOT p50 and p99 over requests; tok/s: new tokens per second "
           "of steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved, summed over "
           "steps (paged pool: allocated blocks); kv_contig: the same against seqlen slots per running sequence")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     summary = summary_lines(rows, args, device)
     print("\n".join(summary))
 
@@ -312,15 +314,15 @@ def main(argv=None):
         sweep, sweep_rows = batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device)
         plot_sweep(sweep, args.plot, preset, device, args.rate)
     if args.json:
-        iu.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
                      val_loss=val_loss, summary=summary,
                      trace={"n_requests": len(requests), "rate": args.rate if np.isfinite(args.rate) else "inf",
                             "arrivals": arrivals, "prompt_lens": prompt_lens, "output_lens": output_lens},
                      batch_size=args.batch_size, block_size=args.block_size, sweep=sweep)
     failures = sorted({r["variant"] for r in rows + sweep_rows if r["same"] != "yes"})
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

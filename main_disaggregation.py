@@ -37,12 +37,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import distributed
+from lib import distributed
 import inference_utils as iu
-import serving
-from disaggregation import PREFILL_RANK, LiveClock, makespan_throughput, serve_disaggregated
+from lib import serving
+from lib.disaggregation import PREFILL_RANK, LiveClock, makespan_throughput, serve_disaggregated
 from gptlite_kvcache import GPTlite_KVCache
-from paged_engine import PagedEngine
+from lib.paged_engine import PagedEngine
+from lib.errors import GPTliteError
+from lib import files, harness
 
 COLOCATED_THREADS = 2  # the colocated engine gets the two workers' threads together
 
@@ -103,7 +105,7 @@ def run_variants(model, requests, arrivals, reference, args, rank):
             outputs, clock, stats = result
             same = serving.same_outputs(outputs, reference)
             if same != "yes":
-                raise iu.GPTliteError(f"{name}: tokens differ from generating each request alone ({same}); "
+                raise GPTliteError(f"{name}: tokens differ from generating each request alone ({same}); "
                                       "this is a bug (nothing timed or written)")
             if i > 0:
                 results[name].append(figures(clock, stats))
@@ -116,7 +118,7 @@ def make_rows(results):
     rows = []
     for name, runs in results.items():
         f = serving.median_figures(runs)
-        rows.append(iu.make_row(name, **{k: f[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
+        rows.append(harness.make_row(name, **{k: f[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
                                                             "tpot_p99_ms", "tokens_per_s")},
                                 kv_sent_KB=None if "kv_kb" not in f else round(float(f["kv_kb"]), 1),
                                 send_ms=None if "send_ms" not in f else round(float(f["send_ms"]), 3),
@@ -152,7 +154,7 @@ def per_request(clock):
 
 def plot_cdfs(clocks, path, preset, device):
     """The distribution of TTFT and TPOT over the requests of every timed round, per variant."""
-    fig, (ax_ttft, ax_tpot) = iu.new_figure(2)
+    fig, (ax_ttft, ax_tpot) = harness.new_figure(2)
     for name, runs in clocks.items():
         ttft, tpot = (sum(values, []) for values in zip(*(per_request(clock) for clock in runs)))
         for ax, values in ((ax_ttft, ttft), (ax_tpot, tpot)):
@@ -164,18 +166,18 @@ def plot_cdfs(clocks, path, preset, device):
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter("")  # decades only: the minor labels overlap
     ax_ttft.legend(fontsize=7)
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64, rate=40.0)
     parser.set_defaults(prompt_median=80, output_median=24)  # long prompts: prefills interfere with decodes
     add = parser.add_argument
-    add("--batch-size", type=iu.int_at_least(1), default=8, help="batch slots of the decode side (and of prefill)")
-    add("--block-size", type=iu.int_at_least(1), default=8, help="tokens per KV block of the paged pools")
-    add("--chunk-size", type=iu.int_at_least(1), default=16, help="prefill tokens per step of the chunked colocated engine")
-    add("--timeout", type=iu.int_at_least(1), default=300,
+    add("--batch-size", type=harness.int_at_least(1), default=8, help="batch slots of the decode side (and of prefill)")
+    add("--block-size", type=harness.int_at_least(1), default=8, help="tokens per KV block of the paged pools")
+    add("--chunk-size", type=harness.int_at_least(1), default=16, help="prefill tokens per step of the chunked colocated engine")
+    add("--timeout", type=harness.int_at_least(1), default=300,
         help="seconds a rank waits for its peer (a transfer, or the barrier while the other runs the colocated "
              "engine) before it stops with an error; a peer that dies is reported at once")
     args = parser.parse_args(argv)
@@ -187,13 +189,13 @@ def parse_args(argv):
         serving.check_trace_args(args, parser, preset.seqlen)
         if args.block_size > preset.seqlen:
             parser.error(f"--block-size must be at most seqlen={preset.seqlen}, got {args.block_size}")
-        device, local = iu.get_device(args.device), int(os.environ.get("LOCAL_WORLD_SIZE", 2))
+        device, local = harness.get_device(args.device), int(os.environ.get("LOCAL_WORLD_SIZE", 2))
         if device.type == "cuda" and local > torch.cuda.device_count():
             parser.error(f"{local} processes on this machine need {local} CUDA devices (NCCL: one GPU per rank); "
                          f"it has {torch.cuda.device_count()}")
-        if not args.untrained and not iu.checkpoint_path(preset.name).exists():
-            parser.error(f"no checkpoint {iu.checkpoint_path(preset.name)}: train it once first with "
-                         f"{iu.gptlite_command(preset.name)} (both workers would each train one)")
+        if not args.untrained and not files.checkpoint_path(preset.name).exists():
+            parser.error(f"no checkpoint {files.checkpoint_path(preset.name)}: train it once first with "
+                         f"{files.gptlite_command(preset.name)} (both workers would each train one)")
     return parser, args, check_args
 
 
@@ -201,16 +203,16 @@ def main(argv=None):
     parser, args, check_args = parse_args(argv)
     if not distributed.launched():  # every flag checked here, then torchrun starts the 2 workers
         with contextlib.redirect_stdout(io.StringIO()):  # rank 0 says it again
-            iu.setup(args, parser, check_args)
+            harness.setup(args, parser, check_args)
         rc = distributed.launch(__file__, sys.argv[1:] if argv is None else argv, 2, timeout_s=None,
                                 capture=False).returncode
         if rc != 0:
-            raise iu.GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
+            raise GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
                                   "(torchrun's summary names it)")
         return
     rank0 = distributed.rank() == 0
     with contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO()):  # rank 0 speaks
-        preset, device, data = iu.setup(args, parser, check_args)
+        preset, device, data = harness.setup(args, parser, check_args)
         d = distributed.init(device, args.timeout)
         with distributed.collective_errors(args.timeout):
             experiment(args, preset, d, data)
@@ -239,17 +241,17 @@ def experiment(args, preset, d, data):
           "disaggregated first token counts when the decode worker has it), TPOT p50/p99 over requests, tok/s: new "
           "tokens over the makespan; kv_sent_KB: the keys and values sent per request; send_ms: time of its "
           "dist.send calls; failed: transfers whose checksum failed (recomputed); preempted: by the decode pool")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     summary = summary_lines(rows)
     print("\n".join(summary))
     if args.plot:
         plot_cdfs(clocks, args.plot, preset, d.device)
     if args.json:
-        iu.save_json(args.json, "main_disaggregation.py", preset, d.device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_disaggregation.py", preset, d.device, rows, untrained=args.untrained,
                      summary=summary, backend=d.backend, batch_size=args.batch_size, block_size=args.block_size,
                      trace={"n_requests": len(requests), "rate": args.rate if np.isfinite(args.rate) else "inf",
                             "arrivals": arrivals, "prompt_lens": prompt_lens, "output_lens": output_lens})
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -11,7 +11,7 @@ keep their size as T changes), optionally mixed with the usual cross entropy on 
 Three students of the same architecture, initial weights, steps, batches and learning rate are trained:
 on hard labels only, on soft labels only, and on soft + hard labels. The table compares them with the
 teacher. Nothing is written unless every check passes. With --save PATH the best student is kept
-(config included; a plain GPTlite: iu.load_checkpoint(PATH), then GPTlite(**ckpt["config"])), e.g. as
+(config included; a plain GPTlite: files.load_checkpoint(PATH), then GPTlite(**ckpt["config"])), e.g. as
 the draft model of speculative decoding; checkpoints/distilled.pt is another model, the `distilled`
 preset that gptlite.py trains on hard labels alone.
 
@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 import inference_utils as iu
 from gptlite import GPTlite
+from lib.errors import GPTliteError
+from lib import files, harness, presets, training
 
 DEFAULT_ITERS = {"cpu": 300}  # student training steps; other presets: the student preset's iters
 
@@ -57,7 +59,7 @@ def distillation_loss(logits_student, logits_teacher, temperature, targets=None,
 
 def distillation_loss_fn(teacher, temperature, alpha):
     """A train_steps loss_fn(model, x, y): the frozen teacher's logits are the soft labels."""
-    return iu.teacher_loss_fn(teacher, functools.partial(distillation_loss, temperature=temperature, alpha=alpha))
+    return training.teacher_loss_fn(teacher, functools.partial(distillation_loss, temperature=temperature, alpha=alpha))
 
 
 def student_preset(preset):
@@ -67,7 +69,7 @@ def student_preset(preset):
                                   n_layers=max(preset.n_layers // 2, 1),
                                   n_heads=max(round(preset.n_heads * 2 / 3), 1))
     if preset.name == "gptlite":
-        distilled = iu.PRESETS["distilled"]
+        distilled = presets.PRESETS["distilled"]
         assert student.model_config() == distilled.model_config(), "the rule must give the distilled preset"
         return distilled
     return student
@@ -80,7 +82,7 @@ def train_students(data, config, variants, iters, batch_size, lr, seed, device):
     for name, loss_fn in variants.items():
         torch.manual_seed(seed)
         student = GPTlite(**config).to(device)
-        histories[name] = iu.train_steps(student, data, iters, batch_size, config["seqlen"], lr, seed=seed,
+        histories[name] = training.train_steps(student, data, iters, batch_size, config["seqlen"], lr, seed=seed,
                                          loss_fn=loss_fn, desc=f"student, {name}")
         students[name] = student.eval()
     return students, histories
@@ -91,42 +93,42 @@ def table_rows(figures, val_losses):
     rows = []
     for name in figures:
         speedup = iu.ratio(figures["teacher"]["tpot_ms"], figures[name]["tpot_ms"])
-        rows.append(iu.make_row(name, **figures[name], val_loss=val_losses[name],
+        rows.append(harness.make_row(name, **figures[name], val_loss=val_losses[name],
                                 speedup=None if speedup is None else round(speedup, 2)))
     return rows
 
 
 def plot_histories(histories, teacher_loss, path, title):
-    fig, ax = iu.new_figure()
+    fig, ax = harness.new_figure()
     for name, history in histories.items():
         ax.plot([h["step"] for h in history], [h["val_loss"] for h in history], marker="o", label=name)
     ax.axhline(teacher_loss, color="gray", linestyle="--", label="teacher")
     ax.set(xlabel="training steps", ylabel="validation loss (nats/char)", title=title)
     ax.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--iters", type=iu.int_at_least(1), default=None, help=f"training steps of each student "
+    add("--iters", type=harness.int_at_least(1), default=None, help=f"training steps of each student "
         f"(default: {DEFAULT_ITERS['cpu']} for the cpu preset, else the student preset's)")
-    add("--temperature", type=iu.positive_float, default=2.0, help="softening temperature T of the soft labels")
-    add("--alpha", type=iu.float_in(0, 1, low_open=True, high_open=True), default=0.5,
+    add("--temperature", type=harness.positive_float, default=2.0, help="softening temperature T of the soft labels")
+    add("--alpha", type=harness.float_in(0, 1, low_open=True, high_open=True), default=0.5,
         help="weight of the hard labels in the soft + hard student, in (0, 1)")
-    add("--batch-size", type=iu.int_at_least(1), default=None, help="training batch (default: the preset's)")
+    add("--batch-size", type=harness.int_at_least(1), default=None, help="training batch (default: the preset's)")
     add("--save", default=None, metavar="PATH", help="also save the best student there (default: not saved)")
-    add("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length of the timed generation")
-    add("--n-tokens", type=iu.int_at_least(2), default=128, help="new tokens per prompt of the timed generation")
-    add("--repeats", type=iu.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
+    add("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length of the timed generation")
+    add("--n-tokens", type=harness.int_at_least(2), default=128, help="new tokens per prompt of the timed generation")
+    add("--repeats", type=harness.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
     args = parser.parse_args(argv)
 
-    return args, parser, None  # no check needs the preset beyond iu.setup's
+    return args, parser, None  # no check needs the preset beyond harness.setup's
 
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
+    preset, device, data = harness.setup(args, parser, check_args)
     teacher = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     teacher.requires_grad_(False)  # frozen: eval mode (load_model) and no gradients
     student_cfg = student_preset(preset)
@@ -137,13 +139,13 @@ def main(argv=None):
           f"({iu.n_params(GPTlite(**config)) / 1e6:.2f}M); {iters} steps of batch {batch_size}, lr {student_cfg.lr}, "
           f"T={args.temperature}")
 
-    variants = {"hard labels": iu.cross_entropy_loss,  # the student trained as gptlite.py would train it
+    variants = {"hard labels": training.cross_entropy_loss,  # the student trained as gptlite.py would train it
                 "soft labels": distillation_loss_fn(teacher, args.temperature, alpha=0.0),
                 f"soft + hard (alpha={args.alpha})": distillation_loss_fn(teacher, args.temperature, args.alpha)}
     students, histories = train_students(data, config, variants, iters, batch_size, student_cfg.lr,
                                          args.seed, device)
-    val_losses = {name: iu.validation_loss(model, data) for name, model in students.items()}
-    val_losses["teacher"] = iu.validation_loss(teacher, data)
+    val_losses = {name: training.validation_loss(model, data) for name, model in students.items()}
+    val_losses["teacher"] = training.validation_loss(teacher, data)
     best = min(students, key=val_losses.get)
     figures, failures = iu.measure_models({"teacher": teacher} | students, data, args.n_tokens, args.prompt_len, 1,
                                           device, args.repeats, args.seed)
@@ -151,28 +153,28 @@ def main(argv=None):
 
     print(f"\n{iters} steps per student, batch {batch_size}; generation: batch 1, {args.prompt_len}-token prompts, "
           f"{args.n_tokens} new tokens with the KV cache, median of {args.repeats}; speedup = teacher TPOT / TPOT")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     hard, soft = val_losses["hard labels"], min(val_losses[n] for n in students if n != "hard labels")
     summary = [iu.peak_memory_label(device),
                f"best distilled student against the hard-label student: {soft:.4f} vs {hard:.4f} "
                f"({'distillation wins' if soft < hard else 'distillation does NOT win'}); best: {best}"]
     print("\n".join(summary))
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
+        raise GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
                               "this is a bug (nothing written)")
 
     if args.save:
         iu.save_and_reload(args.save, students[best], config, data.vocab,
-                           iu.rebuild_command("main_distillation.py", argv, preset), teacher=preset.name,
+                           files.rebuild_command("main_distillation.py", argv, preset), teacher=preset.name,
                            variant=best, iters=iters, temperature=args.temperature, val_loss=val_losses[best])
     if args.plot:
         plot_histories(histories, val_losses["teacher"], args.plot,
                        f"students of {preset.name}, T={args.temperature} ({device})")
     if args.json:
-        iu.save_json(args.json, "main_distillation.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_distillation.py", preset, device, rows, untrained=args.untrained,
                      student_config=config, iters=iters, batch_size=batch_size, temperature=args.temperature,
                      alpha=args.alpha, histories=histories, best=best, saved=args.save, summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

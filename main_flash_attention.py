@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import attention_benchmark as ab
+from lib import attention_benchmark as ab
 import inference_utils as iu
 from gptlite import MultiHeadAttention
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
+from lib.errors import GPTliteError
+from lib import corpus, harness, training
 
 ATOL = 1e-4  # float32 logits of a trained model (units to tens), summed in another order by the fused kernels
 FLEX_ATOL = 1e-5  # float32 attention outputs on random unit inputs
@@ -105,7 +107,7 @@ def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, va
     several new tokens (the shifted mask), greedy tokens, validation loss."""
     variants = {"naive": (naive, None), "SDPA (default dispatch)": (sdpa, None)}
     variants.update({f"SDPA forced {b.name}": (sdpa, b) for b in BACKENDS})
-    x = iu.get_batch(data.val, prompts.shape[0], seqlen, torch.Generator().manual_seed(1), device)[0]  # [B, seqlen]
+    x = corpus.get_batch(data.val, prompts.shape[0], seqlen, torch.Generator().manual_seed(1), device)[0]  # [B, seqlen]
     cut = seqlen // 2
     chunks = (x[:, :cut], x[:, cut:cut + 5], x[:, cut + 5:])  # a prefill, 5 new tokens, then the rest
 
@@ -131,7 +133,7 @@ def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, va
                 kernel = sdpa_kernels_run(lambda: model(x))
             except RuntimeError:
                 dtype = str(naive.fc_out.weight.dtype).removeprefix("torch.")  # CUDA's flash takes no float32
-                rows[name] = iu.make_row(name, kernel=f"cannot run on {device.type} in {dtype}")
+                rows[name] = harness.make_row(name, kernel=f"cannot run on {device.type} in {dtype}")
                 continue
             try:  # some kernels take no explicit mask (CUDA's flash): generation never needs one, chunks do
                 diff = max(diff, (chunked_logits(model) - ref_chunked).abs().max().item())
@@ -147,10 +149,10 @@ def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, va
     for name, fn in fns.items():
         model, backend = variants[name]
         with forced(backend):
-            val_loss = iu.validation_loss(model, data, n_batches=val_batches)
+            val_loss = training.validation_loss(model, data, n_batches=val_batches)
         diff, same, kernel = found[name]
         same_loss = name == "naive" or abs(val_loss - rows["naive"]["val_loss"]) <= ATOL
-        rows[name] = iu.make_row(name, **timings[name], peak_mem_mb=iu.peak_memory_mb(lambda: fn(n_tokens), device),
+        rows[name] = harness.make_row(name, **timings[name], peak_mem_mb=iu.peak_memory_mb(lambda: fn(n_tokens), device),
                                  kv_cache_mb=kv_mb, val_loss=val_loss, kernel=kernel, max_logit_diff=f"{diff:.1e}",
                                  same_tokens="yes" if same else "NO",
                                  ok="yes" if diff <= ATOL and same and same_loss else "NO")
@@ -185,8 +187,8 @@ def long_context(args, n_heads, d_head, device):
 
 
 def main(argv=None):
-    parser = iu.script_parser(__doc__)
-    at_least = iu.int_at_least
+    parser = harness.script_parser(__doc__)
+    at_least = harness.int_at_least
     parser.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt length in characters")
     parser.add_argument("--n-tokens", type=at_least(2), default=64, help="new tokens generated per prompt")
     parser.add_argument("--batch-size", type=at_least(1), default=8, help="prompts generated together")
@@ -203,16 +205,16 @@ def main(argv=None):
     parser.add_argument("--window", type=at_least(1), default=256, help="FlexAttention's sliding window, in tokens")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (it compiles a kernel first)")
     args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
+    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
 
     naive = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     sdpa = use_sdpa(copy.deepcopy(naive))
-    prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
+    prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
     rows = model_rows(naive, sdpa, data, prompts, args.n_tokens, preset.seqlen, device, args.repeats,
                       args.val_batches)
     print(f"\n{args.batch_size} prompts of {args.prompt_len} tokens, {args.n_tokens} new tokens each, "
           f"median of {args.repeats} runs; TTFT is the prefill of the prompts and their first token")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     print(iu.peak_memory_label(device))
 
     H, D = preset.n_heads, preset.d_head
@@ -220,7 +222,7 @@ def main(argv=None):
     if args.plot:
         ab.plot(bench, args.plot, f"attention, {H} heads of {D}, batch {args.bench_batch} ({device})")
     if args.json:
-        iu.save_json(args.json, "main_flash_attention.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_flash_attention.py", preset, device, rows, untrained=args.untrained,
                      prompt_len=args.prompt_len, n_tokens=args.n_tokens, batch_size=args.batch_size,
                      long_context=bench, bench_batch=args.bench_batch, window=args.window,
                      flex_max_diff=flex_diff, flex_note=flex_note, summary=[iu.peak_memory_label(device), summary])
@@ -228,9 +230,9 @@ def main(argv=None):
     if flex_diff is not None and flex_diff > FLEX_ATOL:
         failures.append(f"flex attention (max |diff| {flex_diff:.1e} > {FLEX_ATOL})")
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: outputs, tokens or loss differ from naive attention "
+        raise GPTliteError(f"{', '.join(failures)}: outputs, tokens or loss differ from naive attention "
                               f"(logits atol {ATOL}); this is a bug")
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -27,6 +27,8 @@ from tqdm import tqdm
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as reference_attention
+from lib.errors import GPTliteError
+from lib import corpus, harness
 
 ATOL = 1e-5  # float32 attention outputs on random unit inputs
 LOGITS_ATOL = 1e-4  # float32 logits of a trained model (units to tens)
@@ -133,7 +135,7 @@ def context_label(n):
 
 
 def plot(bench, contexts, splits, path, title):
-    fig, (ax_ctx, ax_split) = iu.new_figure(2)
+    fig, (ax_ctx, ax_split) = harness.new_figure(2)
     for name, ms in bench.items():
         ax_ctx.plot(contexts, ms, marker="o", label=name, linestyle="--" if name in ("naive", "SDPA") else "-")
     ax_ctx.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="decode attention ms (median)",
@@ -148,7 +150,7 @@ def plot(bench, contexts, splits, path, title):
     for ax in (ax_ctx, ax_split):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def check_args(args, parser):
@@ -162,8 +164,8 @@ def check_args(args, parser):
 
 
 def main(argv=None):
-    parser = iu.script_parser(__doc__)
-    at_least = iu.int_at_least
+    parser = harness.script_parser(__doc__)
+    at_least = harness.int_at_least
     parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[1024, 4096, 16384, 65536],
                         help="cache lengths of the decode-attention benchmark, increasing")
     parser.add_argument("--splits", type=at_least(1), nargs="+", default=[1, 4, 16, 64],
@@ -176,18 +178,18 @@ def main(argv=None):
     parser.add_argument("--n-tokens", type=at_least(2), default=64, help="new tokens per prompt in the model check")
     parser.add_argument("--batch-size", type=at_least(1), default=4, help="prompts of the model check")
     args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser))
+    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser))
     H, D = preset.n_heads, preset.d_head
 
     diff, n_keys = check_exactness(args.splits, H, D, device, args.seed)
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
-    prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
+    prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
     found = check_model(model, args.splits, prompts, args.n_tokens, preset.seqlen)
     print(f"flash_decoding against the reference attention, n_splits {args.splits}, {n_keys} keys: "
           f"max |diff| {diff:.1e}")
     bad = [f"n_splits={n}" for n, (d, same, _) in found.items() if d > LOGITS_ATOL or not same]
     if diff > ATOL or bad:
-        raise iu.GPTliteError(f"flash_decoding differs from the reference attention (max |diff| {diff:.1e}, atol "
+        raise GPTliteError(f"flash_decoding differs from the reference attention (max |diff| {diff:.1e}, atol "
                               f"{ATOL}; model: {', '.join(bad) or 'same'}); this is a bug")
 
     variants = {"naive": reference_attention, "SDPA": sdpa_decode}
@@ -196,7 +198,7 @@ def main(argv=None):
     rows = []
     for name, ms in bench.items():
         n = int(name.split("=")[1]) if name.startswith("flash") else None
-        row = iu.make_row(name, n_splits=n, work_units=args.bench_batch * H * (n or 1))
+        row = harness.make_row(name, n_splits=n, work_units=args.bench_batch * H * (n or 1))
         row.update({f"{context_label(c)} ms": t for c, t in zip(args.contexts, ms)})
         if n is not None:
             d, same, _ = found[n]
@@ -205,7 +207,7 @@ def main(argv=None):
     print(f"\ndecode attention alone: one query over a cache of n tokens, batch {args.bench_batch}, {H} heads of {D}, "
           f"median of {args.repeats}; work_units = batch x heads x n_splits (an H100 has {H100_SMS} SMs); "
           f"model check: {args.batch_size} prompts of {args.prompt_len}, {args.n_tokens} greedy tokens")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     last = context_label(args.contexts[-1])
     flash = [r for r in rows if r["n_splits"]]
     best = min(flash, key=lambda r: r[f"{last} ms"])
@@ -225,10 +227,10 @@ def main(argv=None):
         plot(bench, args.contexts, args.splits, args.plot,
              f"decode attention, batch {args.bench_batch}, {H} heads of {D} ({device.type})")
     if args.json:
-        iu.save_json(args.json, "main_flash_decoding.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_flash_decoding.py", preset, device, rows, untrained=args.untrained,
                      contexts=args.contexts, splits=args.splits, bench_batch=args.bench_batch, max_diff=diff,
                      threads=torch.get_num_threads(), summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -25,6 +25,7 @@ from gptlite import GPTlite, generate
 from gptlite_gqa import convert_mha_to_gqa  # noqa: F401 (the post's listing: main_gqa.convert_mha_to_gqa)
 from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
+from lib import corpus, files, harness, training
 
 
 @torch.inference_mode()
@@ -42,15 +43,15 @@ def convert_and_uptrain(base, data, preset, window, prompts, n_tokens, steps, lr
     for n_groups in group_counts(preset.n_heads):
         name = variant_name(n_groups, preset.n_heads)
         model = models[name] = gqa_from_mha(base.state_dict(), preset.model_config(), n_groups).to(device).eval()
-        checks[name] = iu.cached_matches_full(model, window[:8])  # correctness first
+        checks[name] = training.cached_matches_full(model, window[:8])  # correctness first
         if n_groups == preset.n_heads:
             checks["MHA conversion exact"] = mha_conversion_is_exact(base, model, window[:8], prompts[:8],
                                                                      n_tokens, preset.seqlen)
         with torch.inference_mode():
             kv_mb = iu.kv_cache_bytes(model(window)[1]) / 2**20
-        before, after = iu.uptrain(model, data, preset, steps, lr, seed, name)
+        before, after = training.uptrain(model, data, preset, steps, lr, seed, name)
         mha = rows[0] if rows else dict(kv_cache_mb=kv_mb, val_loss=after)  # MHA comes first: the reference
-        rows.append(iu.make_row(name, n_groups=n_groups, batch_size=window.shape[0], kv_cache_mb=kv_mb,
+        rows.append(harness.make_row(name, n_groups=n_groups, batch_size=window.shape[0], kv_cache_mb=kv_mb,
                                 val_loss=after, loss_converted=round(before, 4),
                                 kv_vs_mha=round(kv_mb / mha["kv_cache_mb"], 4),
                                 loss_vs_mha=round(after - mha["val_loss"], 4),
@@ -59,7 +60,7 @@ def convert_and_uptrain(base, data, preset, window, prompts, n_tokens, steps, lr
 
 
 def plot_results(rows, path, preset, device):
-    fig, (ax_loss, ax_time) = iu.new_figure(2)
+    fig, (ax_loss, ax_time) = harness.new_figure(2)
     kv = [r["kv_cache_mb"] for r in rows]
     ax_loss.plot(kv, [r["loss_converted"] for r in rows], marker="o", linestyle="--", label="converted")
     ax_loss.plot(kv, [r["val_loss"] for r in rows], marker="o", label="uptrained")
@@ -73,22 +74,22 @@ def plot_results(rows, path, preset, device):
     ax_loss.legend()
     ax_time.set(xlabel="KV cache at a full window (MB)", ylabel="TPOT (ms)", ylim=(0, None),
                 title=f"greedy decoding, batch {rows[0]['batch_size']} ({device})")
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--uptrain-steps", type=iu.int_at_least(1), default=None,
+    add("--uptrain-steps", type=harness.int_at_least(1), default=None,
         help="training steps after conversion, for every variant (default: 5%% of the preset's)")
-    add("--lr", type=iu.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
-    add("--batch-size", type=iu.int_at_least(1), default=64, help="prompts generated together when timing")
-    add("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length in characters")
-    add("--n-tokens", type=iu.int_at_least(2), default=64, help="new tokens generated per prompt")
-    add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
+    add("--batch-size", type=harness.int_at_least(1), default=64, help="prompts generated together when timing")
+    add("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length in characters")
+    add("--n-tokens", type=harness.int_at_least(2), default=64, help="new tokens generated per prompt")
+    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
     add("--save", default=None, metavar="PATH",
         help="also save the uptrained GQA model there (default: not saved); load it with gptlite_gqa.load_gqa")
-    add("--save-groups", type=iu.int_at_least(1), default=None,
+    add("--save-groups", type=harness.int_at_least(1), default=None,
         help="group count of the saved model (default: the smallest above 1 that is not MHA)")
     args = parser.parse_args(argv)
 
@@ -100,13 +101,13 @@ def parse_args(argv):
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
-    steps, lr = iu.uptrain_budget(preset, args.uptrain_steps, args.lr)
+    preset, device, data = harness.setup(args, parser, check_args)
+    steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
     counts = group_counts(preset.n_heads)
     save_groups = args.save_groups or next((g for g in reversed(counts) if 1 < g < preset.n_heads), 1)
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
-    window = iu.sample_prompts(data, args.batch_size, preset.seqlen, seed=args.seed, device=device)  # full windows
+    window = corpus.sample_prompts(data, args.batch_size, preset.seqlen, seed=args.seed, device=device)  # full windows
     prompts = window[:, :args.prompt_len]
     models, rows, checks = convert_and_uptrain(base, data, preset, window, prompts, args.n_tokens, steps, lr,
                                                args.seed, device)
@@ -117,27 +118,27 @@ def main(argv=None):
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; KV cache at a full window of {preset.seqlen} tokens")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     summary = ["val loss: after uptraining; loss_converted: right after conversion. " + iu.peak_memory_label(device),
                f"MHA conversion (n_groups = n_heads) equals the multi-head model: "
                f"{'yes, logits and tokens' if checks['MHA conversion exact'] else 'NO'}",
                "cached decoding equals the full forward pass for " + ", ".join(
                    f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items() if name != "MHA conversion exact")]
     print("\n".join(summary))
-    iu.require_checks(checks)
+    harness.require_checks(checks)
 
     if args.save is not None:
         row = next(r for r in rows if r["n_groups"] == save_groups)
         iu.save_and_reload(args.save, models[row["variant"]], {**preset.model_config(), "n_groups": save_groups},
-                           data.vocab, iu.rebuild_command("main_gqa.py", argv, preset), preset=preset.name,
+                           data.vocab, files.rebuild_command("main_gqa.py", argv, preset), preset=preset.name,
                            converted_from="mha", uptrain_steps=steps, val_loss=row["val_loss"],
                            untrained=args.untrained)
     if args.plot:
         plot_results(rows, args.plot, preset, device)
     if args.json:
-        iu.save_json(args.json, "main_gqa.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_gqa.py", preset, device, rows, untrained=args.untrained,
                      uptrain_steps=steps, lr=lr, checks=checks, saved=args.save, summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -20,6 +20,8 @@ import torch
 import inference_utils as iu
 from gptlite import GPTlite, generate
 from gptlite_kvcache import StaticKVCache, generate_kvcache
+from lib.errors import GPTliteError
+from lib import corpus, harness, training
 
 
 def check_args(args, parser, seqlen):
@@ -63,7 +65,7 @@ def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_
             full = tokens[name][:, :-1]  # every token but the last has its keys and values cached
             with torch.inference_mode():
                 kv_bytes = iu.kv_cache_bytes(cached(full[:, -seqlen:])[1])
-        rows.append(iu.make_row(
+        rows.append(harness.make_row(
             name, batch_size=prompts.shape[0], **timings[name],
             peak_mem_mb=iu.peak_memory_mb(memory_run, device),
             kv_cache_mb=kv_bytes / 2**20 if kv_bytes is not None else None,
@@ -89,7 +91,7 @@ def ratio_lines(rows, batch_sizes):
 
 
 def plot_tpot_sweep(sweep, path, preset, device):
-    fig, axes = iu.new_figure(len(sweep))
+    fig, axes = harness.new_figure(len(sweep))
     for ax, (batch_size, by_variant) in zip(np.atleast_1d(axes), sweep.items()):
         for variant, points in by_variant.items():
             tpot = [np.nan if t is None else t for t in points["tpot_ms"]]  # unmeasurable: a gap
@@ -97,29 +99,29 @@ def plot_tpot_sweep(sweep, path, preset, device):
         ax.set(xscale="log", ylim=(0, None), xlabel="generated tokens", ylabel="TPOT (ms)",
                title=f"batch {batch_size} (preset {preset.name}, {device})")
         ax.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def main(argv=None):
-    parser = iu.script_parser(__doc__)
-    parser.add_argument("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length in characters")
-    parser.add_argument("--n-tokens", type=iu.int_at_least(2), default=128, help="new tokens generated per prompt")
-    parser.add_argument("--batch-sizes", type=iu.int_at_least(1), nargs="+", default=[1, 8],
+    parser = harness.script_parser(__doc__)
+    parser.add_argument("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length in characters")
+    parser.add_argument("--n-tokens", type=harness.int_at_least(2), default=128, help="new tokens generated per prompt")
+    parser.add_argument("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8],
                         help="numbers of prompts generated together, a row group each")
-    parser.add_argument("--repeats", type=iu.int_at_least(1), default=5,
+    parser.add_argument("--repeats", type=harness.int_at_least(1), default=5,
                         help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
+    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     cached = iu.kv_cache_model(base)  # the same weights, trained or not
     seqlen = preset.seqlen
-    val_losses = {"no cache": iu.validation_loss(base, data)}
-    val_losses["dynamic KV cache"] = val_losses["static KV cache"] = iu.validation_loss(cached, data)
+    val_losses = {"no cache": training.validation_loss(base, data)}
+    val_losses["dynamic KV cache"] = val_losses["static KV cache"] = training.validation_loss(cached, data)
 
     rows, fns_by_batch = [], {}
     for batch_size in args.batch_sizes:
-        prompts = iu.sample_prompts(data, batch_size, args.prompt_len, seed=args.seed, device=device)
+        prompts = corpus.sample_prompts(data, batch_size, args.prompt_len, seed=args.seed, device=device)
         batch_rows, fns_by_batch[batch_size] = measure_batch(base, cached, prompts, args.n_tokens, seqlen,
                                                              device, args.repeats, val_losses)
         rows += batch_rows
@@ -127,7 +129,7 @@ def main(argv=None):
     in_window = min(seqlen - args.prompt_len + 1, args.n_tokens)
     print(f"\nprompts of {args.prompt_len} tokens, {args.n_tokens} new tokens each, window seqlen={seqlen} "
           f"(the first {in_window} new tokens must match no cache), median of {args.repeats} runs")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     print(iu.peak_memory_label(device))
     summary = ratio_lines(rows, args.batch_sizes)
     print("\n".join(summary))
@@ -143,14 +145,14 @@ def main(argv=None):
                                  for name in fns}
         plot_tpot_sweep(sweep, args.plot, preset, device)
     if args.json:
-        iu.save_json(args.json, "main_kvcache.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_kvcache.py", preset, device, rows, untrained=args.untrained,
                      prompt_len=args.prompt_len, n_tokens=args.n_tokens, tokens_in_window=in_window, summary=summary,
                      tpot_sweep=sweep)
     failures = sorted({f"{r['variant']} (batch {r['batch_size']})" for r in rows if r["same_in_window"] != "yes"})
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generation without a cache "
+        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generation without a cache "
                               f"within the window; this is a bug")
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

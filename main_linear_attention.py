@@ -33,6 +33,8 @@ import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import GPTlite_Linear, linear_config
+from lib.errors import GPTliteError
+from lib import corpus, files, harness, training
 
 # float32 logits (units to tens): the chunked form sums the same terms in another order. The "linear" rule's
 # undecayed sums of up to 128 positive terms differ by up to 2e-4 on the trained model (1e-13 in float64).
@@ -65,36 +67,19 @@ def mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator=None):
     return x, y
 
 
-def load_or_train(model_class, config, path, train, untrained, seed, vocab, rebuild):
-    """The model saved at `path` (checked against `config`), else a new one trained by `train(model)`
-    and saved; with `untrained`, random weights and nothing saved."""
-    torch.manual_seed(seed)
-    model = model_class(**config)
-    if untrained:
-        return model.eval(), None
-    if path.exists():
-        ckpt = iu.load_checkpoint(path, config=config, vocab=vocab, rebuild=rebuild)
-        model.load_state_dict(ckpt["state_dict"])
-        return model.eval(), None
-    with iu.Timer() as t:
-        train(model)
-    iu.save_checkpoint(path, model, config, vocab, rebuild=rebuild, train_seconds=round(t.seconds))
-    print(f"saved {path} ({t.seconds:.0f} s of training)")
-    return model.eval(), t.seconds
-
-
 def train_language_models(preset, data, device, untrained, seed, rebuild):
     """Softmax GPTlite (the preset's checkpoint) and the four linear kinds, trained with its recipe."""
     models = {"softmax": iu.load_model(GPTlite_KVCache, preset, device, data, untrained=untrained, seed=seed)}
     seconds = {}
+    recipe = iu.preset_recipe(preset, seed=seed)
     for name, (rule, hybrid_every) in KINDS.items():
-        def train(model):
-            iu.train_steps(model.to(device), data, preset.iters, preset.batch_size, preset.seqlen, preset.lr,
-                           seed=seed, desc=f"training {name}")
-        model, seconds[name] = load_or_train(GPTlite_Linear, linear_config(preset.model_config(), rule, hybrid_every),
-                                             iu.checkpoint_path(f"{preset.name}_linear_{name}"), train, untrained,
-                                             seed, data.vocab, rebuild)
-        models[name] = model.to(device)
+        config = linear_config(preset.model_config(), rule, hybrid_every)
+        torch.manual_seed(seed)
+        train = lambda m, name=name: iu.train_recipe(m, data, recipe, f"training {name}")  # noqa: E731
+        model, seconds[name] = iu.cached_model(GPTlite_Linear(**config).to(device), config,
+                                               files.checkpoint_path(f"{preset.name}_linear_{name}"), train,
+                                               data.vocab, rebuild, stamp=recipe, untrained=untrained)
+        models[name] = model
     return models, seconds
 
 
@@ -103,7 +88,7 @@ def forms_agree(model, window):
     """Chunked against recurrent form, and prefill + decode with the carried state against the full pass."""
     chunked, _ = model(window, form="chunked")
     recurrent, _ = model(window, form="recurrent")
-    return (chunked - recurrent).abs().max().item() <= ATOL and iu.cached_matches_full(model, window, ATOL)
+    return (chunked - recurrent).abs().max().item() <= ATOL and training.cached_matches_full(model, window, ATOL)
 
 
 def long_softmax(model, context):
@@ -136,7 +121,7 @@ def context_rows(models, data, contexts, batch_size, n_tokens, repeats, device, 
     `repeats` decodes of n_tokens on the prefilled cache, the models round-robin)."""
     rows = []
     for context in tqdm(contexts, desc="contexts", dynamic_ncols=True):
-        prompts = iu.sample_prompts(data, batch_size, context, seed=seed, device=device)
+        prompts = corpus.sample_prompts(data, batch_size, context, seed=seed, device=device)
         runs, cache_bytes = {}, {}
         for name, model in models.items():
             long = long_softmax(model, context + n_tokens) if name == "softmax" else model
@@ -154,7 +139,7 @@ def context_rows(models, data, contexts, batch_size, n_tokens, repeats, device, 
                     fn()
                 times[name].append(t.seconds)
         for name in models:
-            rows.append(iu.make_row(name, context=context, cache_kb=round(cache_bytes[name] / 1024, 1),
+            rows.append(harness.make_row(name, context=context, cache_kb=round(cache_bytes[name] / 1024, 1),
                                     tpot_ms=statistics.median(times[name]) / n_tokens * 1e3))
     return rows
 
@@ -169,8 +154,8 @@ def train_recall(model, steps, lr, n_pairs_max, seqlen, n_keys, batch_size, seed
             group["lr"] = lr * min(1, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
         n_pairs = int(torch.randint(1, n_pairs_max + 1, (1,), generator=generator))
         x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
-        loss = F.cross_entropy(iu.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
-        iu.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
+        loss = F.cross_entropy(training.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
+        training.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -185,7 +170,7 @@ def recall_accuracy(model, n_pairs, seqlen, n_keys, n_sequences=256, seed=4321):
     """Fraction of the query answers that the model's argmax gets right, on fixed-seed MQAR sequences."""
     x, y = mqar_batch(n_sequences, n_pairs, seqlen, n_keys, torch.Generator().manual_seed(seed + n_pairs))
     device = next(model.parameters(), x).device  # the model's (x's for a model without parameters)
-    predicted = iu.logits_of(model(x.to(device))).argmax(-1).cpu()
+    predicted = training.logits_of(model(x.to(device))).argmax(-1).cpu()
     answers = y != -100
     return (predicted[answers] == y[answers]).float().mean().item()
 
@@ -199,18 +184,20 @@ def recall_rows(args, preset, device, rebuild):
     rows = []
     for name, (model_class, config) in kinds.items():
         def train(model):
-            train_recall(model.to(device), args.recall_steps, args.recall_lr, max(args.pairs), seqlen, n_keys, 64,
+            train_recall(model, args.recall_steps, args.recall_lr, max(args.pairs), seqlen, n_keys, 64,
                          args.seed, f"recall {name}", device)
-        path = iu.checkpoint_path(f"{preset.name}_recall_{name}_s{args.recall_steps}")
-        model, _ = load_or_train(model_class, config, path, train, args.untrained, args.seed, f"mqar{n_keys}", rebuild)
-        model = model.to(device)
-        rows.append(iu.make_row(name, **{f"acc_{p}_pairs": round(recall_accuracy(model, p, seqlen, n_keys), 3)
+        path = files.checkpoint_path(f"{preset.name}_recall_{name}_s{args.recall_steps}")
+        stamp = dict(steps=args.recall_steps, lr=args.recall_lr, pairs=max(args.pairs), seed=args.seed)
+        torch.manual_seed(args.seed)
+        model, _ = iu.cached_model(model_class(**config).to(device), config, path, train, f"mqar{n_keys}", rebuild,
+                                   stamp=stamp, untrained=args.untrained)
+        rows.append(harness.make_row(name, **{f"acc_{p}_pairs": round(recall_accuracy(model, p, seqlen, n_keys), 3)
                                          for p in args.pairs}))
     return rows
 
 
 def plot_results(quality, context, recall, pairs, path, preset, device):
-    fig, (ax_mem, ax_time, ax_recall) = iu.new_figure(3)
+    fig, (ax_mem, ax_time, ax_recall) = harness.new_figure(3)
     for name in dict.fromkeys(r["variant"] for r in context):
         rows = [r for r in context if r["variant"] == name]
         ax_mem.plot([r["context"] for r in rows], [r["cache_kb"] for r in rows], marker="o", label=name)
@@ -225,24 +212,24 @@ def plot_results(quality, context, recall, pairs, path, preset, device):
                   title="associative recall (MQAR), small models")
     for ax in (ax_mem, ax_time, ax_recall):
         ax.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--contexts", type=iu.int_at_least(1), nargs="+", default=[128, 256, 512, 1024],
+    add("--contexts", type=harness.int_at_least(1), nargs="+", default=[128, 256, 512, 1024],
         help="prompt lengths of the memory and time part (tokens)")
-    add("--batch-size", type=iu.int_at_least(1), default=4, help="sequences decoded together when timing")
-    add("--n-tokens", type=iu.int_at_least(1), default=16, help="decoding steps timed per run")
-    add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
-    add("--val-batches", type=iu.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
-    add("--pairs", type=iu.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
+    add("--batch-size", type=harness.int_at_least(1), default=4, help="sequences decoded together when timing")
+    add("--n-tokens", type=harness.int_at_least(1), default=16, help="decoding steps timed per run")
+    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
+    add("--pairs", type=harness.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
         help="numbers of key-value pairs of the recall evaluation (the largest is also the training maximum)")
-    add("--recall-steps", type=iu.int_at_least(1), default=1000, help="training steps of each recall model")
-    add("--recall-lr", type=iu.positive_float, default=3e-3, help="peak learning rate of the recall models")
-    add("--recall-keys", type=iu.int_at_least(2), default=32, help="distinct keys (and values) of the recall task")
-    add("--recall-seqlen", type=iu.int_at_least(4), default=64, help="length of a recall sequence")
+    add("--recall-steps", type=harness.int_at_least(1), default=1000, help="training steps of each recall model")
+    add("--recall-lr", type=harness.positive_float, default=3e-3, help="peak learning rate of the recall models")
+    add("--recall-keys", type=harness.int_at_least(2), default=32, help="distinct keys (and values) of the recall task")
+    add("--recall-seqlen", type=harness.int_at_least(4), default=64, help="length of a recall sequence")
     args = parser.parse_args(argv)
     args.contexts, args.pairs = sorted(set(args.contexts)), sorted(set(args.pairs))
 
@@ -255,28 +242,28 @@ def parse_args(argv):
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
+    preset, device, data = harness.setup(args, parser, check_args)
     if max(args.contexts) >= len(data.val):
         parser.error(f"--contexts: at most {len(data.val) - 1} tokens (the validation split)")
-    rebuild = iu.rebuild_command("main_linear_attention.py", argv, preset)
+    rebuild = files.rebuild_command("main_linear_attention.py", argv, preset)
     models, seconds = train_language_models(preset, data, device, args.untrained, args.seed, rebuild)
-    window = iu.sample_prompts(data, 2, preset.seqlen, seed=args.seed, device=device)
+    window = corpus.sample_prompts(data, 2, preset.seqlen, seed=args.seed, device=device)
     checks = {name: forms_agree(model, window) for name, model in models.items() if name != "softmax"}
 
-    softmax_loss = iu.validation_loss(models["softmax"], data, args.val_batches)
+    softmax_loss = training.validation_loss(models["softmax"], data, args.val_batches)
     quality = []
     for name, model in models.items():
-        loss = softmax_loss if name == "softmax" else iu.validation_loss(model, data, args.val_batches)
+        loss = softmax_loss if name == "softmax" else training.validation_loss(model, data, args.val_batches)
         with torch.inference_mode():
             cache_kb = iu.kv_cache_bytes(model(window[:1])[1]) / 1024
-        quality.append(iu.make_row(name, params=iu.n_params(model), val_loss=loss,
+        quality.append(harness.make_row(name, params=iu.n_params(model), val_loss=loss,
                                    loss_vs_softmax=round(loss - softmax_loss, 4),
                                    cache_kb_at_seqlen=round(cache_kb, 1),
                                    forms_agree="-" if name == "softmax" else ("yes" if checks[name] else "NO"),
                                    train_s=None if seconds.get(name) is None else round(seconds[name])))
     failures = [name for name, ok in checks.items() if not ok]
     if failures:
-        raise iu.GPTliteError(f"checks failed: chunked, recurrent and cached decoding disagree for "
+        raise GPTliteError(f"checks failed: chunked, recurrent and cached decoding disagree for "
                               f"{', '.join(failures)}; this is a bug (nothing written)")
     context = context_rows(models, data, args.contexts, args.batch_size, args.n_tokens, args.repeats, device,
                            args.seed)
@@ -284,14 +271,14 @@ def main(argv=None):
 
     print(f"\n1. quality: {preset.iters} steps each (batch {preset.batch_size}, lr {preset.lr:g}); cache of one "
           f"sequence of {preset.seqlen} tokens")
-    iu.print_table(quality, untrained=args.untrained)
+    harness.print_table(quality, untrained=args.untrained)
     print(f"\n2. cache per sequence and TPOT after a prompt of each length: batch {args.batch_size}, "
           f"{args.n_tokens} decoding steps, median of {args.repeats}")
-    iu.print_table(context)
+    harness.print_table(context)
     print(f"\n3. recall (MQAR): {args.recall_keys} keys, sequences of {args.recall_seqlen}, models "
           f"{RECALL['n_layers']} layers x {RECALL['n_heads']} heads of {RECALL['d_head']}, {args.recall_steps} "
           "steps each; accuracy of the answers on 256 sequences per pair count")
-    iu.print_table(recall, untrained=args.untrained)
+    harness.print_table(recall, untrained=args.untrained)
     summary = ["checks: chunked = recurrent form and prefill + decoding with the carried state = full pass "
                f"(atol {ATOL:g}) for " + ", ".join(checks),
                f"softmax rows beyond {preset.seqlen} tokens: position table extended by its last row, timing only"]
@@ -299,10 +286,10 @@ def main(argv=None):
     if args.plot:
         plot_results(quality, context, recall, args.pairs, args.plot, preset, device)
     if args.json:
-        iu.save_json(args.json, "main_linear_attention.py", preset, device, quality, untrained=args.untrained,
-                     context_rows=context, context_columns=iu.table_columns(context), recall_rows=recall,
-                     recall_columns=iu.table_columns(recall), recall_pairs=args.pairs, checks=checks, summary=summary)
+        harness.save_json(args.json, "main_linear_attention.py", preset, device, quality, untrained=args.untrained,
+                     context_rows=context, context_columns=harness.table_columns(context), recall_rows=recall,
+                     recall_columns=harness.table_columns(recall), recall_pairs=args.pairs, checks=checks, summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -25,6 +25,7 @@ from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
 from gptlite_mla import MultiHeadAttention_MLA, convert_mha_to_mla  # noqa: F401 (the post's listings, importable here)
 from gptlite_mla import max_latent, mla_from_mha
+from lib import corpus, harness, training
 
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion against the multi-head model (SVD in float64)
 ABSORB_ATOL = 1e-4  # float32 logits, absorbed against recomputed keys and values
@@ -36,7 +37,7 @@ def default_latents(full):
 
 @torch.inference_mode()
 def max_logit_diff(model_a, model_b, window):
-    return (iu.logits_of(model_a(window)) - iu.logits_of(model_b(window))).abs().max().item()
+    return (training.logits_of(model_a(window)) - training.logits_of(model_b(window))).abs().max().item()
 
 
 @torch.inference_mode()
@@ -61,10 +62,10 @@ def convert_and_uptrain(base, data, preset, latents, window, prompts, steps, lr,
     full = max_latent(preset.n_heads, preset.d_head, preset.d_model)
     checks, rows, fns = {}, [], {}
     mha = gqa_from_mha(state, config, preset.n_heads).to(device).eval()  # MHA, as a model with a cache
-    checks["MHA cached = full"] = iu.cached_matches_full(mha, window[:8])
+    checks["MHA cached = full"] = training.cached_matches_full(mha, window[:8])
     figures = cache_figures(mha, window)
-    before, after = iu.uptrain(mha, data, preset, steps, lr, seed, "MHA")
-    rows.append(iu.make_row("MHA", d_latent=None, absorb=None, batch_size=prompts.shape[0], **figures,
+    before, after = training.uptrain(mha, data, preset, steps, lr, seed, "MHA")
+    rows.append(harness.make_row("MHA", d_latent=None, absorb=None, batch_size=prompts.shape[0], **figures,
                             val_loss=after, loss_converted=round(before, 4), kv_vs_mha=1.0, loss_vs_mha=0.0))
     fns["MHA"] = lambda n: generate_kvcache(mha, prompts, n, seqlen)
 
@@ -74,14 +75,14 @@ def convert_and_uptrain(base, data, preset, latents, window, prompts, steps, lr,
         model = mla_from_mha(state, config, d_latent).to(device).eval()
         diff = absorbed_against_recomputed(model, window[:8])
         checks[f"MLA-{d_latent} absorbed = recomputed, max |logit diff| {diff:.1e}"] = diff <= ABSORB_ATOL
-        checks[f"MLA-{d_latent} cached = full"] = iu.cached_matches_full(model.set_absorb(True), window[:8])
+        checks[f"MLA-{d_latent} cached = full"] = training.cached_matches_full(model.set_absorb(True), window[:8])
         figures = cache_figures(model, window)
         model.set_absorb(False)  # train with explicit keys and values (exact with dropout, cheaper for long inputs)
-        before, after = iu.uptrain(model, data, preset, steps, lr, seed, f"MLA-{d_latent}")
+        before, after = training.uptrain(model, data, preset, steps, lr, seed, f"MLA-{d_latent}")
         for absorb in (True, False):
             name = f"MLA-{d_latent} {'absorbed' if absorb else 'recomputed'}"
             fns[name] = lambda n, m=model, a=absorb: generate_kvcache(m.set_absorb(a), prompts, n, seqlen)
-            rows.append(iu.make_row(name, d_latent=d_latent, absorb="yes" if absorb else "no",
+            rows.append(harness.make_row(name, d_latent=d_latent, absorb="yes" if absorb else "no",
                                     batch_size=prompts.shape[0], **figures, val_loss=after,
                                     loss_converted=round(before, 4),
                                     kv_vs_mha=round(figures["kv_cache_mb"] / rows[0]["kv_cache_mb"], 4),
@@ -96,13 +97,13 @@ def gqa_points(base, data, preset, window, steps, lr, seed, device):
         name = variant_name(n_groups, preset.n_heads)
         model = gqa_from_mha(base.state_dict(), preset.model_config(), n_groups).to(device).eval()
         figures = cache_figures(model, window)
-        before, after = iu.uptrain(model, data, preset, steps, lr, seed, name)
+        before, after = training.uptrain(model, data, preset, steps, lr, seed, name)
         points.append(dict(variant=name, n_groups=n_groups, **figures, val_loss=after, loss_converted=before))
     return points
 
 
 def plot_loss_against_cache(rows, gqa, path, preset, device):
-    fig, ax = iu.new_figure()
+    fig, ax = harness.new_figure()
     mha = rows[0]
     mla = [r for r in rows if r.get("absorb") == "yes"]
     series = {"MLA (latent sizes)": [(r["cache_per_token"], r["val_loss"], r["loss_converted"], r["variant"])
@@ -124,21 +125,21 @@ def plot_loss_against_cache(rows, gqa, path, preset, device):
     ax.set(xlabel="cache per token and layer (float values)", ylabel="validation loss (nats/char)",
            title=f"loss against cache size (preset {preset.name}, {device})")
     ax.legend(fontsize=8)
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
-    parser.add_argument("--latents", type=iu.int_at_least(1), nargs="+", default=None,
+    parser = harness.script_parser(__doc__)
+    parser.add_argument("--latents", type=harness.int_at_least(1), nargs="+", default=None,
                         help="latent sizes d_latent of the sweep (default: the full rank, 1/2 and 1/4 of it)")
     add = parser.add_argument
-    add("--uptrain-steps", type=iu.int_at_least(1), default=None,
+    add("--uptrain-steps", type=harness.int_at_least(1), default=None,
         help="training steps after conversion, for every variant (default: 5%% of the preset's)")
-    add("--lr", type=iu.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
-    add("--batch-size", type=iu.int_at_least(1), default=64, help="prompts generated together when timing")
-    add("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length in characters")
-    add("--n-tokens", type=iu.int_at_least(2), default=64, help="new tokens generated per prompt")
-    add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
+    add("--batch-size", type=harness.int_at_least(1), default=64, help="prompts generated together when timing")
+    add("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length in characters")
+    add("--n-tokens", type=harness.int_at_least(2), default=64, help="new tokens generated per prompt")
+    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -152,13 +153,13 @@ def parse_args(argv):
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
-    steps, lr = iu.uptrain_budget(preset, args.uptrain_steps, args.lr)
+    preset, device, data = harness.setup(args, parser, check_args)
+    steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
     full = max_latent(preset.n_heads, preset.d_head, preset.d_model)
     latents = sorted(args.latents or default_latents(full), reverse=True)
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
-    window = iu.sample_prompts(data, args.batch_size, preset.seqlen, seed=args.seed, device=device)  # full windows
+    window = corpus.sample_prompts(data, args.batch_size, preset.seqlen, seed=args.seed, device=device)  # full windows
     prompts = window[:, :args.prompt_len]
     rows, fns, checks = convert_and_uptrain(base, data, preset, latents, window, prompts, steps, lr, args.seed, device)
     timings = iu.generation_figures(fns, args.n_tokens, args.batch_size, device, args.repeats)
@@ -167,20 +168,20 @@ def main(argv=None):
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; cache at a full window of {preset.seqlen} tokens; full rank = {full}")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     summary = ["val loss: after uptraining; loss_converted: right after conversion; cache_per_token: float values "
                "per token and layer. " + iu.peak_memory_label(device)]
     summary += [f"check {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
     print("\n".join(summary))
-    iu.require_checks(checks)
+    harness.require_checks(checks)
 
     gqa = gqa_points(base, data, preset, window, steps, lr, args.seed, device) if args.plot else []
     if args.plot:
         plot_loss_against_cache(rows, gqa, args.plot, preset, device)
     if args.json:
-        iu.save_json(args.json, "main_mla.py", preset, device, rows, untrained=args.untrained, uptrain_steps=steps,
+        harness.save_json(args.json, "main_mla.py", preset, device, rows, untrained=args.untrained, uptrain_steps=steps,
                      lr=lr, full_rank=full, checks=checks, gqa_points=gqa, summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

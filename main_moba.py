@@ -24,8 +24,10 @@ import torch
 
 import inference_utils as iu
 from gptlite import GPTlite
-from moba import moba_attention, select_blocks  # noqa: F401 (the post's listing: the selection and the mask)
-from moba import GPTlite_MoBA, attention_cost, keys_read, make_flex_check, moba_mask, n_blocks
+from lib.moba import moba_attention, select_blocks  # noqa: F401 (the post's listing: the selection and the mask)
+from lib.moba import GPTlite_MoBA, attention_cost, keys_read, make_flex_check, moba_mask, n_blocks
+from lib.errors import GPTliteError
+from lib import corpus, files, harness, training
 
 ATOL = 1e-4  # float32 logits (units to tens): FlexAttention's online softmax sums in another order
 FLEX_ATOL = 1e-5  # float32 attention outputs on random unit inputs
@@ -73,24 +75,15 @@ def cost_figures(block_size, top_k, preset, n_dense_blocks):
 
 def uptrained(model, name, path, meta, data, preset, steps, lr, seed, rebuild):
     """`model` uptrained with MoBA: the checkpoint at `path` when it was made from the same base
-    checkpoint with the same budget (`meta`), else trained now and saved there (None: never saved)."""
+    checkpoint with the same budget (`meta`, its stamp), else trained now and saved there (None: never saved)."""
     config = {**preset.model_config(), "block_size": model.block_size, "top_k": model.top_k}
-    if path is not None and path.exists():
-        ckpt = iu.load_checkpoint(path, config=config, vocab=data.vocab, rebuild=rebuild)
-        if all(ckpt["meta"].get(k) == v for k, v in meta.items()):
-            model.load_state_dict(ckpt["state_dict"])
-            print(f"{name}: reusing {path}")
-            return model.eval()
-        print(f"{path} was uptrained from another base checkpoint or budget: uptraining again")
-    iu.train_steps(model, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed, eval_interval=steps,
-                   desc=f"uptraining {name}")
-    if path is not None:
-        iu.save_checkpoint(path, model, config, data.vocab, rebuild=rebuild, **meta)
-    return model.eval()
+    train = lambda m: training.train_steps(m, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed,  # noqa: E731
+                                           eval_interval=steps, desc=f"uptraining {name}")
+    return iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=meta)[0]
 
 
 def plot_results(rows, path, preset, block_size):
-    fig, (ax_loss, ax_kv) = iu.new_figure(2)
+    fig, (ax_loss, ax_kv) = harness.new_figure(2)
     moba = [r for r in rows if r["top_k"] < rows[0]["top_k"]]
     keys = [r["keys_per_query"] for r in moba]
     ax_loss.plot(keys, [r["loss_inference"] for r in moba], marker="o", linestyle="--", label="MoBA at inference only")
@@ -111,19 +104,19 @@ def plot_results(rows, path, preset, block_size):
     ax_kv.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="KV KB read per decoded token",
               title="keys, values and mean keys read (formula checked on the mask)")
     ax_kv.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--block-size", type=iu.int_at_least(1), default=16, help="tokens per key block")
-    add("--top-k", type=iu.int_at_least(1), nargs="+", default=[4, 2, 1],
+    add("--block-size", type=harness.int_at_least(1), default=16, help="tokens per key block")
+    add("--top-k", type=harness.int_at_least(1), nargs="+", default=[4, 2, 1],
         help="blocks read per query (its own included), one variant each; dense attention is added as the control")
-    add("--uptrain-steps", type=iu.int_at_least(1), default=None,
+    add("--uptrain-steps", type=harness.int_at_least(1), default=None,
         help="MoBA training steps of every variant (default: 5%% of the preset's)")
-    add("--lr", type=iu.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
-    add("--val-batches", type=iu.int_at_least(1), default=20, help="validation batches (of 32 x seqlen) for the loss")
+    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
+    add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches (of 32 x seqlen) for the loss")
     add("--no-flex", action="store_true", help="leave FlexAttention out: the explicit mask everywhere")
     args = parser.parse_args(argv)
 
@@ -140,35 +133,35 @@ def parse_args(argv):
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
-    steps, lr = iu.uptrain_budget(preset, args.uptrain_steps, args.lr)
+    preset, device, data = harness.setup(args, parser, check_args)
+    steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
     config, nb = preset.model_config(), n_blocks(preset.seqlen, args.block_size)
     top_ks = sorted(args.top_k, reverse=True)
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     flex, flex_diff, flex_note = (None, None, "left out (--no-flex)") if args.no_flex else \
         make_flex_check(args.block_size, top_ks[-1], device)
-    window = iu.get_batch(data.val, 8, preset.seqlen, torch.Generator().manual_seed(args.seed), device)[0]
+    window = corpus.get_batch(data.val, 8, preset.seqlen, torch.Generator().manual_seed(args.seed), device)[0]
     checks = run_checks(base, config, window, args.block_size, top_ks, flex)  # correctness first
     if flex_diff is not None:
         checks[f"flex = mask on random inputs (max |diff| {flex_diff:.1e})"] = flex_diff <= FLEX_ATOL
     failures = [name for name, ok in checks.items() if not ok]
     if failures:
-        raise iu.GPTliteError(f"checks failed: {'; '.join(failures)}; this is a bug (nothing trained or written)")
+        raise GPTliteError(f"checks failed: {'; '.join(failures)}; this is a bug (nothing trained or written)")
 
-    base_sha = None if args.untrained else iu.load_checkpoint(iu.checkpoint_path(preset.name))["sha256"]
+    base_sha = None if args.untrained else files.load_checkpoint(files.checkpoint_path(preset.name))["sha256"]
     meta = dict(base_sha256=base_sha, uptrain_steps=steps, lr=lr, seed=args.seed)
-    rebuild = iu.rebuild_command("main_moba.py", argv, preset)
+    rebuild = files.rebuild_command("main_moba.py", argv, preset)
     rows = []
     for k in [nb] + top_ks:  # dense (the control) first
         name = f"dense (top-{nb} of {nb})" if k == nb else f"MoBA top-{k} of {nb}"
         model = moba_from(base, config, args.block_size, k).use_flex(flex)
-        loss_inference = iu.validation_loss(model, data, n_batches=args.val_batches)
-        path = None if args.untrained else iu.checkpoint_path(f"{preset.name}_moba_b{args.block_size}_k{k}_s{steps}")
+        loss_inference = training.validation_loss(model, data, n_batches=args.val_batches)
+        path = None if args.untrained else files.checkpoint_path(f"{preset.name}_moba_b{args.block_size}_k{k}_s{steps}")
         model = uptrained(model, name, path, meta, data, preset, steps, lr, args.seed, rebuild)
-        val_loss = iu.validation_loss(model, data, n_batches=args.val_batches)
+        val_loss = training.validation_loss(model, data, n_batches=args.val_batches)
         dense = rows[0] if rows else dict(loss_inference=loss_inference, val_loss=val_loss)
-        rows.append(iu.make_row(name, top_k=k, **cost_figures(args.block_size, k, preset, nb),
+        rows.append(harness.make_row(name, top_k=k, **cost_figures(args.block_size, k, preset, nb),
                                 loss_inference=loss_inference,
                                 gap_inference=round(loss_inference - dense["loss_inference"], 4),
                                 val_loss=val_loss, gap_uptrained=round(val_loss - dense["val_loss"], 4)))
@@ -177,7 +170,7 @@ def main(argv=None):
     print(f"\nblocks of {args.block_size} tokens, {nb} in the {preset.seqlen}-token window; {steps} uptraining steps "
           f"at peak lr {lr:g} for every row; attention through {attention}, uptraining on {device} "
           f"{'with the explicit mask' if device.type == 'cpu' or flex is None else 'through FlexAttention'}")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     dense, sparsest = rows[0], rows[-1]
     summary = [f"loss_inference: MoBA applied to the dense checkpoint as it is; val_loss: after {steps} steps with "
                "MoBA (dense: the same steps, the control); gap_*: against dense",
@@ -192,10 +185,10 @@ def main(argv=None):
     if args.plot:
         plot_results(rows, args.plot, preset, args.block_size)
     if args.json:
-        iu.save_json(args.json, "main_moba.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_moba.py", preset, device, rows, untrained=args.untrained,
                      block_size=args.block_size, n_blocks=nb, uptrain_steps=steps, lr=lr, checks=checks,
                      flex_max_diff=flex_diff, flex_note=flex_note, summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -30,6 +30,7 @@ from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from gptlite_lora import (ATTENTION_TARGETS, LORA_TARGETS, LoRAAdapter, adapter_from_peft, generate_merged,
                           generate_multi_lora, merge_adapter, multi_lora_model, peft_model, random_adapter,
                           slug, speaker_data)
+from lib import corpus, files, harness, training
 
 SPEAKERS = ("PETRUCHIO", "PROSPERO", "TRANIO", "KATHARINA")  # the most lines in the validation split
 
@@ -37,47 +38,45 @@ SPEAKERS = ("PETRUCHIO", "PROSPERO", "TRANIO", "KATHARINA")  # the most lines in
 def adapter_path(preset, speaker, rank, targets):
     code = "".join(t[0] for t in targets if not t.startswith("ffwd")) + "".join(
         "m" + t[-1] for t in targets if t.startswith("ffwd"))  # qkvo, qv, qkvom0m2
-    return iu.checkpoint_path(f"{preset.name}_lora_{slug(speaker)}_r{rank}_{code}")
+    return files.checkpoint_path(f"{preset.name}_lora_{slug(speaker)}_r{rank}_{code}")
 
 
 def train_adapter(base, slice_data, args, preset, speaker):
     """Fine-tune a LoRA adapter on one speaker's turns with peft; the base weights stay frozen."""
     model = peft_model(copy.deepcopy(base), args.rank, args.targets, args.alpha)
-    iu.train_steps(model, slice_data, args.lora_steps, args.lora_batch_size, preset.seqlen, args.lr,
+    training.train_steps(model, slice_data, args.lora_steps, args.lora_batch_size, preset.seqlen, args.lr,
                    seed=args.seed, eval_interval=args.lora_steps, desc=f"LoRA {speaker}")
     adapter = adapter_from_peft(model, base)
-    x = iu.get_batch(slice_data.val, 4, preset.seqlen, torch.Generator().manual_seed(0), base.fc_out.weight.device)[0]
+    x = corpus.get_batch(slice_data.val, 4, preset.seqlen, torch.Generator().manual_seed(0), base.fc_out.weight.device)[0]
     with torch.no_grad():
-        peft_diff = (iu.logits_of(model(x)) - iu.logits_of(merge_adapter(base, adapter)(x))).abs().max().item()
+        peft_diff = (training.logits_of(model(x)) - training.logits_of(merge_adapter(base, adapter)(x))).abs().max().item()
     return adapter, peft_diff
 
 
 def load_or_train(base, data, slice_data, args, preset, speaker, argv):
     """The saved adapter when its file has this run's settings; else train one (and save it if trained base)."""
-    config = dict(rank=args.rank, alpha=args.alpha, targets=list(args.targets), speaker=speaker,
-                  steps=args.lora_steps, batch_size=args.lora_batch_size, lr=args.lr, seed=args.seed,
-                  base_sha256=iu.checkpoint_sha256(preset.model_config(), data.vocab, base.state_dict()))
-    path, rebuild = adapter_path(preset, speaker, args.rank, args.targets), iu.rebuild_command("main_multi_lora.py",
-                                                                                               argv, preset)
-    if not args.untrained and path.exists():
-        ckpt = iu.load_checkpoint(path, vocab=data.vocab, rebuild=rebuild)
-        if ckpt["config"] == config:
-            adapter = LoRAAdapter(base, args.rank, args.targets, args.alpha)
-            adapter.load_state_dict(ckpt["state_dict"])
-            return adapter.to(base.fc_out.weight.device), dict(source=f"loaded {path.name}", peft_diff=None)
-        print(f"{path} holds an adapter trained with other settings: training a new one")
-    with iu.Timer() as t:
-        adapter, peft_diff = train_adapter(base, slice_data, args, preset, speaker)
-    if not args.untrained:
-        iu.save_checkpoint(path, adapter, config, data.vocab, rebuild=rebuild, preset=preset.name)
-        print(f"saved {path}")
-    return adapter, dict(source=f"trained in {t.seconds:.0f} s", peft_diff=peft_diff)
+    config = dict(rank=args.rank, alpha=args.alpha, targets=list(args.targets))
+    stamp = dict(speaker=speaker, steps=args.lora_steps, batch_size=args.lora_batch_size, lr=args.lr, seed=args.seed,
+                 base_sha256=files.checkpoint_sha256(preset.model_config(), data.vocab, base.state_dict()))
+    path = None if args.untrained else adapter_path(preset, speaker, args.rank, args.targets)  # random base: not saved
+    peft_diff = {}
+
+    def train(adapter):
+        trained, peft_diff["max"] = train_adapter(base, slice_data, args, preset, speaker)
+        adapter.load_state_dict(trained.state_dict())
+    with torch.random.fork_rng(devices=[]):  # an empty adapter to load into: it draws nothing from the seed
+        adapter = LoRAAdapter(base, args.rank, args.targets, args.alpha).to(base.fc_out.weight.device)
+    adapter, seconds = iu.cached_model(adapter, config, path, train, data.vocab,
+                                       files.rebuild_command("main_multi_lora.py", argv, preset), stamp=stamp)
+    if seconds is None:
+        return adapter, dict(source=f"loaded {path.name}", peft_diff=None)
+    return adapter, dict(source=f"trained in {seconds:.0f} s", peft_diff=peft_diff["max"])
 
 
 def adapter_losses(base, data, adapters, slices, infos, n_batches):
     """Each trained adapter's validation loss on its speaker's held-out turns against the base model's."""
-    loss = lambda model, d: iu.validation_loss(model, d, n_batches=n_batches)  # noqa: E731
-    seen = iu.Data(vocab=data.vocab, train=data.train, val=data.train)  # the base model's own training text
+    loss = lambda model, d: training.validation_loss(model, d, n_batches=n_batches)  # noqa: E731
+    seen = corpus.Data(vocab=data.vocab, train=data.train, val=data.train)  # the base model's own training text
     rows, seen_base = [], loss(base, seen)
     for (speaker, slice_data), adapter, info in zip(slices.items(), adapters, infos):
         merged = merge_adapter(base, adapter)
@@ -117,7 +116,7 @@ def sweep(base, adapters, merged_kv, prompts, counts, n_tokens, seqlen, device, 
         kind, _, k = name.partition(", ")
         k = int(k) if k.isdigit() else 0
         variant = name if not k else f"{kind}, {k} adapter{'s' if k > 1 else ''}"
-        rows.append(iu.make_row(variant, n_adapters=k, batch_size=prompts.shape[0], **t, weights_mb=memory[name]))
+        rows.append(harness.make_row(variant, n_adapters=k, batch_size=prompts.shape[0], **t, weights_mb=memory[name]))
     for row in rows:
         if row["variant"].startswith("batched"):
             merged = next(r for r in rows if r["variant"].startswith("merged") and r["n_adapters"] == row["n_adapters"])
@@ -126,7 +125,7 @@ def sweep(base, adapters, merged_kv, prompts, counts, n_tokens, seqlen, device, 
 
 
 def plot_results(rows, losses, path, preset, device):
-    fig, (ax_tput, ax_mem, ax_loss) = iu.new_figure(3)
+    fig, (ax_tput, ax_mem, ax_loss) = harness.new_figure(3)
     for kind in ("merged", "batched"):
         points = [r for r in rows if r["variant"].startswith(kind)]
         ks = [r["n_adapters"] for r in points]
@@ -148,32 +147,32 @@ def plot_results(rows, losses, path, preset, device):
     ax_loss.set(ylabel="validation loss (nats/char), axis cut", ylim=(0.9 * min(figures), 1.02 * max(figures)),
                 title="each adapter on its speaker's held-out turns")
     ax_loss.legend(loc="lower right")
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--rank", type=iu.int_at_least(1), default=8, help="LoRA rank r of every adapter")
-    add("--alpha", type=iu.positive_float, default=None, help="LoRA alpha; the update is scaled by alpha / r "
+    add("--rank", type=harness.int_at_least(1), default=8, help="LoRA rank r of every adapter")
+    add("--alpha", type=harness.positive_float, default=None, help="LoRA alpha; the update is scaled by alpha / r "
         "(default: 2 * rank)")
     add("--targets", nargs="+", choices=LORA_TARGETS, default=list(ATTENTION_TARGETS), metavar="MODULE",
         help=f"linear layers the adapters change, in every block: some of {', '.join(LORA_TARGETS)} "
              "(default: the four attention projections)")
     add("--speakers", nargs="+", default=list(SPEAKERS), metavar="NAME",
         help="one adapter per speaker, trained on that speaker's turns (names as in the text, upper case)")
-    add("--lora-steps", type=iu.int_at_least(1), default=200, help="fine-tuning steps of each adapter")
-    add("--lora-batch-size", type=iu.int_at_least(1), default=8, help="fine-tuning batch, in windows of seqlen")
-    add("--lr", type=iu.positive_float, default=1e-3,
+    add("--lora-steps", type=harness.int_at_least(1), default=200, help="fine-tuning steps of each adapter")
+    add("--lora-batch-size", type=harness.int_at_least(1), default=8, help="fine-tuning batch, in windows of seqlen")
+    add("--lr", type=harness.positive_float, default=1e-3,
         help="peak learning rate of fine-tuning (3e-3 overfits the smaller speakers within 200 steps)")
-    add("--batch-size", type=iu.int_at_least(1), default=32, help="requests served together (the mixed batch)")
-    add("--adapter-counts", nargs="+", type=iu.int_at_least(1), default=[1, 2, 4, 8, 16, 32], metavar="N",
+    add("--batch-size", type=harness.int_at_least(1), default=32, help="requests served together (the mixed batch)")
+    add("--adapter-counts", nargs="+", type=harness.int_at_least(1), default=[1, 2, 4, 8, 16, 32], metavar="N",
         help="distinct adapters in the batch, one point each (at most --batch-size)")
-    add("--prompt-len", type=iu.int_at_least(1), default=16, help="prompt length in characters")
-    add("--n-tokens", type=iu.int_at_least(2), default=32, help="new tokens generated per request")
-    add("--val-batches", type=iu.int_at_least(1), default=20,
+    add("--prompt-len", type=harness.int_at_least(1), default=16, help="prompt length in characters")
+    add("--n-tokens", type=harness.int_at_least(2), default=32, help="new tokens generated per request")
+    add("--val-batches", type=harness.int_at_least(1), default=20,
         help="validation batches (32 windows each) per loss figure")
-    add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
     args = parser.parse_args(argv)
     args.alpha = args.alpha if args.alpha is not None else 2.0 * args.rank
     args.targets = sorted(set(args.targets), key=LORA_TARGETS.index)
@@ -191,7 +190,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
+    preset, device, data = harness.setup(args, parser, check_args)
     slices = {s: speaker_data(data, s, preset.seqlen) for s in args.speakers}  # bad names fail before training
     base = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     with iu.Timer() as t_adapters:
@@ -203,7 +202,7 @@ def main(argv=None):
     losses = adapter_losses(base, data, adapters, slices, infos, args.val_batches)
     merged_kv = [merge_adapter(base, a) for a in adapters]  # GPTlite_KVCache copies
 
-    prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
+    prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
     checks = check_tokens(base, adapters, merged_kv, prompts, args.n_tokens, preset.seqlen)
     peft_diffs = [i["peft_diff"] for i in infos if i["peft_diff"] is not None]
     if peft_diffs:
@@ -215,12 +214,12 @@ def main(argv=None):
     print(f"\nbatch {args.batch_size} requests (request i uses adapter i mod N), prompts of {args.prompt_len}, "
           f"{args.n_tokens} new tokens, median of {args.repeats} runs; LoRA rank {args.rank}, alpha {args.alpha:g}, "
           f"targets {' '.join(args.targets)}")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out "
           "turns: the last 20% of the speaker's lines in tiny Shakespeare's validation split; "
           "train_split: the base's own data")
-    loss_rows = [iu.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
-    iu.print_table(loss_rows, untrained=args.untrained)
+    loss_rows = [harness.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
+    harness.print_table(loss_rows, untrained=args.untrained)
     random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
                    if n_max > n_trained else "")
     summary = [f"adapters 1-{n_trained}: LoRA trained on one speaker each{random_note}. weights_mb: parameters and "
@@ -231,15 +230,15 @@ def main(argv=None):
                  for r in losses),
                "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
     print("\n".join(summary))
-    iu.require_checks(checks)
+    harness.require_checks(checks)
     if args.plot:
         plot_results(rows, losses, args.plot, preset, device)
     if args.json:
-        iu.save_json(args.json, "main_multi_lora.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_multi_lora.py", preset, device, rows, untrained=args.untrained,
                      rank=args.rank, alpha=args.alpha, targets=args.targets, lora_steps=args.lora_steps,
                      n_trained=n_trained, adapter_losses=losses, checks=checks,
                      adapters_seconds=t_adapters.seconds, summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

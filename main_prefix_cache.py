@@ -29,7 +29,9 @@ import torch
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
-from prefix_cache import PrefixCache, fork_static_cache
+from lib.prefix_cache import PrefixCache, fork_static_cache
+from lib.errors import GPTliteError
+from lib import corpus, harness, training
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -88,7 +90,7 @@ def timed_rows(workload, fns, batch_size, prompt_tokens, hit_tokens, kv_bytes, s
     for name, fn in fns.items():
         cached = name != "no prefix cache"
         hit = hit_tokens if cached else 0
-        rows.append(iu.make_row(name, **timings[name], peak_mem_mb=iu.peak_memory_mb(lambda: fn(n), setting.device),
+        rows.append(harness.make_row(name, **timings[name], peak_mem_mb=iu.peak_memory_mb(lambda: fn(n), setting.device),
                                 kv_cache_mb=kv_bytes[name] / 2**20 if cached else None,
                                 workload=workload, batch_size=batch_size, prompt_tokens=prompt_tokens,
                                 hit_tokens=hit, hit_rate=f"{hit / prompt_tokens:.0%}",
@@ -187,19 +189,19 @@ def ttft_sweep(model, prefix, requests, batch_sizes, prefix_len, setting):
 
 
 def plot_sweep(sweep, path, request_len, preset, device):
-    fig, axes = iu.new_figure(len(sweep))
+    fig, axes = harness.new_figure(len(sweep))
     for ax, (batch_size, curves) in zip(np.atleast_1d(axes), sweep.items()):
         for name in ("no prefix cache", "prefix cache (post)"):
             ax.plot(curves["prefix_len"], curves[name], marker="o", label=name)
         ax.set(xlabel="shared prefix length (tokens)", ylabel="TTFT (ms)", ylim=(0, None),
                title=f"prefix + {request_len}-token request, batch {batch_size} ({preset.name}, {device})")
         ax.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
-    at_least = iu.int_at_least
+    parser = harness.script_parser(__doc__)
+    at_least = harness.int_at_least
     parser.add_argument("--prefix-len", type=at_least(1), default=96, help="tokens of the shared prefix (system prompt)")
     parser.add_argument("--request-len", type=at_least(1), default=16,
                         help="tokens of each request after the prefix, and of each multi-turn message")
@@ -219,13 +221,13 @@ def parse_args(argv):
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
+    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     setting = Setting(device, preset.seqlen, args.n_tokens, args.repeats)
-    val_loss = iu.validation_loss(model, data)
-    prefix = iu.sample_prompts(data, 1, args.prefix_len, seed=args.seed, device=device)  # [1, P]
+    val_loss = training.validation_loss(model, data)
+    prefix = corpus.sample_prompts(data, 1, args.prefix_len, seed=args.seed, device=device)  # [1, P]
     n_texts = max(args.batch_sizes + [args.n_requests, args.turns])
-    texts = iu.sample_prompts(data, n_texts, args.request_len, seed=args.seed + 1, device=device)  # [N, R]
+    texts = corpus.sample_prompts(data, n_texts, args.request_len, seed=args.seed + 1, device=device)  # [N, R]
 
     # the post's listing as written, one request at a time: the same tokens as without the cache
     P = prefix.shape[1]
@@ -246,7 +248,7 @@ def main(argv=None):
     print(f"\nshared prefix of {args.prefix_len} tokens, requests of {args.request_len}, {args.n_tokens} new tokens, "
           f"blocks of {args.block_size}, window seqlen={preset.seqlen}, median of {args.repeats} runs; "
           f"validation loss {val_loss:.4f} (the same model in every row)")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     summary = [iu.peak_memory_label(device),
                "KV MB: keys and values kept for reuse (the shared prefix cache, or the whole store); hit_rate: "
                "prompt tokens of the timed request taken from the cache",
@@ -261,18 +263,18 @@ def main(argv=None):
 
     sweep = None
     if args.plot:
-        longest = iu.sample_prompts(data, 1, preset.seqlen - args.request_len, seed=args.seed, device=device)
+        longest = corpus.sample_prompts(data, 1, preset.seqlen - args.request_len, seed=args.seed, device=device)
         sweep = ttft_sweep(model, longest, texts, args.batch_sizes, args.prefix_len, setting)
         plot_sweep(sweep, args.plot, args.request_len, preset, device)
     if args.json:
-        iu.save_json(args.json, "main_prefix_cache.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_prefix_cache.py", preset, device, rows, untrained=args.untrained,
                      val_loss=val_loss, prefix_len=args.prefix_len, request_len=args.request_len,
                      n_tokens=args.n_tokens, block_size=args.block_size, system_prompt_stats=system_stats,
                      multi_turn_stats=turn_stats, fallback=fallback, ttft_sweep=sweep, summary=summary)
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generation without prefix caching; "
+        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generation without prefix caching; "
                               "this is a bug")
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -18,7 +18,7 @@ from random weights. The script checks that the pruned model's logits equal the 
 removed heads' outputs and neurons' activations zeroed, and reports the loss right after pruning by
 importance against pruning random heads and neurons. Nothing is written unless every check passes;
 with --save PATH the best pruned model is kept, a plain GPTlite whose config has n_heads and d_ff:
-iu.load_checkpoint(PATH), then GPTlite(**ckpt["config"]).
+files.load_checkpoint(PATH), then GPTlite(**ckpt["config"]).
 """
 import copy
 import functools
@@ -29,6 +29,8 @@ import torch.nn as nn
 import inference_utils as iu
 from gptlite import GPTlite
 from main_distillation import distillation_loss  # the post's reuse: pruning recovers by distillation
+from lib.errors import GPTliteError
+from lib import corpus, files, harness, training
 
 DEFAULT_ITERS = {"cpu": 200}  # distillation steps per variant; other presets: 2000
 ZEROED_ATOL = 1e-4  # float32 logits of the pruned model against the original with the same heads and neurons zeroed
@@ -66,7 +68,7 @@ def compute_importance(model, data, n_batches, batch_size, seqlen, seed=0):
     generator = torch.Generator().manual_seed(seed)
     try:
         for _ in range(n_batches):
-            x, _ = iu.get_batch(data.train, batch_size, seqlen, generator, device)
+            x, _ = corpus.get_batch(data.train, batch_size, seqlen, generator, device)
             model(x)
     finally:  # the hooks never outlive the call, even on an error
         for handle in handles:
@@ -147,7 +149,7 @@ def prune_one_shot(teacher, heads, neurons, n_heads, n_neurons, x):
     with torch.no_grad():
         error = (pruned(x) - logits_with_zeroed(teacher, keep_heads, keep_neurons, x)).abs().max().item()
     if error > ZEROED_ATOL:
-        raise iu.GPTliteError(f"the pruned model differs from the original with those heads and neurons zeroed "
+        raise GPTliteError(f"the pruned model differs from the original with those heads and neurons zeroed "
                               f"(max |logit diff| {error:.1e}); this is a bug (nothing written)")
     return pruned, error
 
@@ -159,13 +161,13 @@ def random_pruning_losses(teacher, data, n_heads, n_neurons, draws, seed):
     for _ in range(draws):
         heads = [torch.rand(block.mha.n_heads, generator=generator) for block in teacher.blocks]
         neurons = [torch.rand(block.ffwd.net[0].out_features, generator=generator) for block in teacher.blocks]
-        losses.append(iu.validation_loss(prune(copy.deepcopy(teacher), heads, neurons, n_heads, n_neurons), data))
+        losses.append(training.validation_loss(prune(copy.deepcopy(teacher), heads, neurons, n_heads, n_neurons), data))
     return losses
 
 
 def distill_curve(distill, model, data, n_steps, desc, start=0):
     """Distill `model` for n_steps. Returns its loss before and its curve [(step, loss)], counted from `start`."""
-    before = iu.validation_loss(model, data)
+    before = training.validation_loss(model, data)
     return before, [(start, before)] + [(start + h["step"], h["val_loss"])
                                         for h in distill(model, n_steps=n_steps, desc=desc)]
 
@@ -199,22 +201,22 @@ NAMES = {"original": "original", "one-shot": "one-shot + distill", "iterative": 
 
 
 def table_rows(figures, val_losses, pruned_loss, random_losses):
-    rows = [iu.make_row(NAMES[name], **figures[name], val_loss=val_losses[name], val_pruned=pruned_loss.get(name))
+    rows = [harness.make_row(NAMES[name], **figures[name], val_loss=val_losses[name], val_pruned=pruned_loss.get(name))
             for name in figures]
     pruned = figures["one-shot"]
-    rows.insert(2, iu.make_row(f"random prune (mean of {len(random_losses)})", params=pruned["params"],
+    rows.insert(2, harness.make_row(f"random prune (mean of {len(random_losses)})", params=pruned["params"],
                                size_mb=pruned["size_mb"], val_pruned=sum(random_losses) / len(random_losses)))
     return rows
 
 
 def plot_curves(curves, original_loss, path, title):
-    fig, ax = iu.new_figure()
+    fig, ax = harness.new_figure()
     for name, curve in curves.items():
         ax.plot(*zip(*curve), marker="o", markersize=3, label=NAMES[name])
     ax.axhline(original_loss, color="gray", linestyle="--", label="original")
     ax.set(xlabel="distillation steps", ylabel="validation loss (nats/char)", title=title)
     ax.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def n_stages(keep, step):
@@ -222,25 +224,25 @@ def n_stages(keep, step):
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--iters", type=iu.int_at_least(1), default=None,
+    add("--iters", type=harness.int_at_least(1), default=None,
         help=f"distillation steps of each variant (default: {DEFAULT_ITERS['cpu']} for the cpu preset, else 2000)")
-    add("--keep", type=iu.float_in(0, 1, low_open=True, high_open=True), default=0.5,
+    add("--keep", type=harness.float_in(0, 1, low_open=True, high_open=True), default=0.5,
         help="fraction of the heads and MLP neurons kept per block, in (0, 1)")
-    add("--step", type=iu.float_in(0, 1, low_open=True), default=0.1,
+    add("--step", type=harness.float_in(0, 1, low_open=True), default=0.1,
         help="fraction of the original heads and neurons removed per iterative step (at most 1 - --keep)")
-    add("--temperature", type=iu.positive_float, default=2.0, help="softening temperature T of the soft labels")
-    add("--alpha", type=iu.float_in(0, 1), default=0.0, help="weight of the hard labels in the distillation loss")
-    add("--lr", type=iu.positive_float, default=None, help="peak learning rate of distillation (default: the preset's)")
-    add("--batch-size", type=iu.int_at_least(1), default=None,
+    add("--temperature", type=harness.positive_float, default=2.0, help="softening temperature T of the soft labels")
+    add("--alpha", type=harness.float_in(0, 1), default=0.0, help="weight of the hard labels in the distillation loss")
+    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of distillation (default: the preset's)")
+    add("--batch-size", type=harness.int_at_least(1), default=None,
         help="distillation and calibration batch (default: the preset's)")
-    add("--calib-batches", type=iu.int_at_least(1), default=8, help="calibration batches of the importance scores")
-    add("--random-draws", type=iu.int_at_least(1), default=5, help="random prunings compared with the pruning by importance")
+    add("--calib-batches", type=harness.int_at_least(1), default=8, help="calibration batches of the importance scores")
+    add("--random-draws", type=harness.int_at_least(1), default=5, help="random prunings compared with the pruning by importance")
     add("--save", default=None, metavar="PATH", help="also save the best pruned model there (default: not saved)")
-    add("--prompt-len", type=iu.int_at_least(1), default=32, help="prompt length of the timed generation")
-    add("--n-tokens", type=iu.int_at_least(2), default=128, help="new tokens per prompt of the timed generation")
-    add("--repeats", type=iu.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
+    add("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length of the timed generation")
+    add("--n-tokens", type=harness.int_at_least(2), default=128, help="new tokens per prompt of the timed generation")
+    add("--repeats", type=harness.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -254,7 +256,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
+    preset, device, data = harness.setup(args, parser, check_args)
     teacher = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     teacher.requires_grad_(False)
     iters = args.iters if args.iters is not None else DEFAULT_ITERS.get(preset.name, 2000)
@@ -263,15 +265,15 @@ def main(argv=None):
     H, d_ff = preset.n_heads, 4 * preset.d_model
     n_heads, n_neurons = max(round(args.keep * H), 1), max(round(args.keep * d_ff), 1)
     loss = functools.partial(distillation_loss, temperature=args.temperature, alpha=args.alpha)
-    distill = functools.partial(iu.train_steps, data=data, batch_size=batch_size, seqlen=preset.seqlen, lr=lr,
-                                seed=args.seed, loss_fn=iu.teacher_loss_fn(teacher, loss))
+    distill = functools.partial(training.train_steps, data=data, batch_size=batch_size, seqlen=preset.seqlen, lr=lr,
+                                seed=args.seed, loss_fn=training.teacher_loss_fn(teacher, loss))
     importance = functools.partial(compute_importance, data=data, n_batches=args.calib_batches, batch_size=batch_size,
                                    seqlen=preset.seqlen, seed=args.seed)
     print(f"pruning every block from {H} heads and {d_ff} neurons to {n_heads} and {n_neurons}; "
           f"{iters} distillation steps of batch {batch_size} per variant, lr {lr}, T={args.temperature}, alpha={args.alpha}")
 
     # (1) one shot, checked first against the original with the removed heads and neurons zeroed
-    x, _ = iu.get_batch(data.val, 4, preset.seqlen, torch.Generator().manual_seed(args.seed), device)
+    x, _ = corpus.get_batch(data.val, 4, preset.seqlen, torch.Generator().manual_seed(args.seed), device)
     one_shot, error = prune_one_shot(teacher, *importance(teacher), n_heads, n_neurons, x)
     pruned_loss, curves = {}, {}
     pruned_loss["one-shot"], curves["one-shot"] = distill_curve(distill, one_shot, data, iters, "one-shot, distilling")
@@ -284,7 +286,7 @@ def main(argv=None):
                                                                              args.seed, device)
 
     students = {"one-shot": one_shot, "iterative": iterative, "random init": scratch}
-    val_losses = {"original": iu.validation_loss(teacher, data)} | {n: iu.validation_loss(m, data)
+    val_losses = {"original": training.validation_loss(teacher, data)} | {n: training.validation_loss(m, data)
                                                                      for n, m in students.items()}
     best = min(("one-shot", "iterative"), key=val_losses.get)
     figures, failures = iu.measure_models({"original": teacher} | students, data, args.n_tokens, args.prompt_len, 1,
@@ -294,7 +296,7 @@ def main(argv=None):
           f"generation: batch 1, {args.prompt_len}-token prompts, {args.n_tokens} new tokens with the KV cache, median of {args.repeats}")
     print("val_pruned: right after pruning (iterative: after its last step; random init: before training); "
           "val loss: after distillation")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     wins = val_losses[best] < val_losses["random init"]
     summary = [iu.peak_memory_label(device),
                f"pruned logits vs original with those heads and neurons zeroed: max |diff| {error:.1e}",
@@ -303,22 +305,22 @@ def main(argv=None):
                f"init {val_losses['random init']:.4f} ({'pruning wins' if wins else 'pruning does NOT win'})"]
     print("\n".join(summary))
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
+        raise GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
                               "this is a bug (nothing written)")
 
     if args.save:
         iu.save_and_reload(args.save, students[best], config, data.vocab,
-                           iu.rebuild_command("main_pruning.py", argv, preset), teacher=preset.name, variant=best,
+                           files.rebuild_command("main_pruning.py", argv, preset), teacher=preset.name, variant=best,
                            iters=iters, val_loss=val_losses[best])
     if args.plot:
         plot_curves(curves, val_losses["original"], args.plot,
                     f"pruning {preset.name} to {args.keep:g} of the heads and neurons ({device})")
     if args.json:
-        iu.save_json(args.json, "main_pruning.py", preset, device, rows, untrained=args.untrained, config=config,
+        harness.save_json(args.json, "main_pruning.py", preset, device, rows, untrained=args.untrained, config=config,
                      iters=iters, lr=lr, temperature=args.temperature, alpha=args.alpha, curves=curves,
                      random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best, saved=args.save,
                      summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

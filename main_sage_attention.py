@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as exact_attention
+from lib.errors import GPTliteError
+from lib import corpus, harness, training
 
 ATOL = 1e-5  # float32 attention outputs: the smoothing invariance
 
@@ -218,7 +220,7 @@ def run_checks(n_heads, d_head, seed):
     a, b = quantize_per_block(q, 16, 8)[0], quantize_per_block(k, 16, 8)[0]
     int_ok = torch.equal(int_matmul(a, b).long(), a.long() @ b.long().transpose(-2, -1))
     if smooth > ATOL or not int_ok:
-        raise iu.GPTliteError(f"smoothing changed exact attention by {smooth:.1e} (atol {ATOL}) or the INT8 product "
+        raise GPTliteError(f"smoothing changed exact attention by {smooth:.1e} (atol {ATOL}) or the INT8 product "
                               f"differs from the int64 one ({'ok' if int_ok else 'differs'}); this is a bug")
     return smooth
 
@@ -228,7 +230,7 @@ def model_rows(model, data, prompts, args, seqlen):
     validation loss and greedy-token agreement with the variant in every layer."""
     H, D = model.blocks[0].mha.n_heads, model.blocks[0].mha.d_head
     q, k, v = offset_inputs(4, H, seqlen, D, args.offset, args.seed)
-    x = iu.get_batch(data.val, 8, seqlen, torch.Generator().manual_seed(args.seed + 1))[0].to(prompts.device)
+    x = corpus.get_batch(data.val, 8, seqlen, torch.Generator().manual_seed(args.seed + 1))[0].to(prompts.device)
     layers = capture_qkv(model, x)
     ref_tokens = generate_kvcache(model, prompts, args.n_tokens, seqlen)[:, prompts.shape[1]:]
     rows = []
@@ -243,7 +245,7 @@ def model_rows(model, data, prompts, args, seqlen):
                        cos_model=f"{min(c for c, _ in real):.5f}", rel_l1_model=f"{max(e for _, e in real):.1e}")
         if options is None:  # the reference itself
             figures = dict.fromkeys(figures)
-        rows.append(iu.make_row(name, val_loss=iu.validation_loss(variant, data, n_batches=args.val_batches),
+        rows.append(harness.make_row(name, val_loss=training.validation_loss(variant, data, n_batches=args.val_batches),
                                 **figures,
                                 token_agreement=(tokens == ref_tokens).float().mean().item(),
                                 first_diff=first_difference(tokens, ref_tokens),
@@ -261,7 +263,7 @@ def first_difference(tokens, ref_tokens):
 
 
 def plot(rows, path, title):
-    fig, (ax_err, ax_loss) = iu.new_figure(2)
+    fig, (ax_err, ax_loss) = harness.new_figure(2)
     names = [r["variant"].split(" (")[0] for r in rows[1:]]
     pos = range(len(names))
     ax_err.bar([p - 0.2 for p in pos], [float(r["rel_l1_random"]) for r in rows[1:]], 0.4, label="random, offset K")
@@ -275,30 +277,30 @@ def plot(rows, path, title):
         ax.set_xticks(list(pos), names, rotation=20, ha="right", fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     ax_err.legend(fontsize=8)
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def main(argv=None):
-    parser = iu.script_parser(__doc__)
-    at_least = iu.int_at_least
+    parser = harness.script_parser(__doc__)
+    at_least = harness.int_at_least
     parser.add_argument("--val-batches", type=at_least(1), default=10,
                         help="validation batches (of 32 x seqlen) for the loss")
     parser.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt length of the token agreement")
     parser.add_argument("--n-tokens", type=at_least(1), default=96, help="greedy tokens per prompt compared")
     parser.add_argument("--batch-size", type=at_least(1), default=8, help="prompts of the token agreement")
-    parser.add_argument("--offset", type=iu.float_in(0.0), default=5.0,
+    parser.add_argument("--offset", type=harness.float_in(0.0), default=5.0,
                         help="std of the per-channel offset added to K in the random inputs (K itself is N(0, 1))")
     parser.add_argument("--bench-len", type=at_least(1), default=2048,
                         help="tokens of the timed attention (batch 1, the model's heads, causal)")
     parser.add_argument("--repeats", type=at_least(1), default=5, help="timed runs, median taken (after a warm-up)")
     args = parser.parse_args(argv)
-    preset, device, data = iu.setup(args, parser)
+    preset, device, data = harness.setup(args, parser)
     if device.type != "cpu":
         print("note: the checks and errors run on the device; the INT8 timing runs on the CPU (torch._int_mm)")
 
     smooth_diff = run_checks(preset.n_heads, preset.d_head, args.seed)
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
-    prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
+    prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
     rows, k_offset = model_rows(model, data, prompts, args, preset.seqlen)
     ms = time_variants(VARIANTS, (1, preset.n_heads, args.bench_len, preset.d_head), args.repeats, args.seed)
     fast_int8 = ms["int8"] < ms["float32"]
@@ -310,7 +312,7 @@ def main(argv=None):
           f"{args.val_batches} validation batches; {args.batch_size} x {args.n_tokens} greedy tokens (first_diff: "
           f"median tokens before the first difference); qk_bytes per token and head; ms: batch 1, {preset.n_heads} "
           f"heads, {args.bench_len} tokens, median of {args.repeats}, CPU")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     pv = str(pv_dtype(device)).removeprefix("torch.")
     summary = [f"smoothing invariance: exact attention of K and of K - mean(K) differ by {smooth_diff:.1e}",
                f"the model's keys: the mean over tokens is up to {k_offset:.2f}x the tokens' own spread (one head)",
@@ -324,10 +326,10 @@ def main(argv=None):
     if args.plot:
         plot(rows, args.plot, f"SageAttention variants ({preset.name}, {device.type})")
     if args.json:
-        iu.save_json(args.json, "main_sage_attention.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_sage_attention.py", preset, device, rows, untrained=args.untrained,
                      smooth_diff=smooth_diff, k_offset=k_offset, int8_qk_ms=ms["int8"], float32_qk_ms=ms["float32"],
                      bench_len=args.bench_len, pv_dtype=pv, summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -34,11 +34,13 @@ import numpy as np
 import torch
 
 import inference_utils as iu
-import semantic_cache as sc
+from lib import semantic_cache as sc
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from semantic_cache import SemanticCache, sentence_transformer_embedder  # noqa: F401 (the post imports them from here)
+from lib.semantic_cache import SemanticCache, sentence_transformer_embedder  # noqa: F401 (the post imports them from here)
+from lib.errors import GPTliteError
+from lib import harness, training
 
-PAIRS = Path(__file__).resolve().parent / "semantic_cache_pairs.tsv"
+PAIRS = Path(__file__).resolve().parent / "lib" / "semantic_cache_pairs.tsv"
 LABELS = {"same": True, "different": False}
 TABLE_THRESHOLDS = [0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
 PROBES = {"exact-match hit": "How do I delete a file?",  # in the shipped pairs: asked in the stream
@@ -59,24 +61,24 @@ def load_pairs(path):
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
-        raise iu.GPTliteError(f"cannot read the pairs file {path} ({e.strerror or e}): give a readable TSV file "
+        raise GPTliteError(f"cannot read the pairs file {path} ({e.strerror or e}): give a readable TSV file "
                               "with --pairs") from None
     try:
         text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the header
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
-        raise iu.GPTliteError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
+        raise GPTliteError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
                               "as UTF-8") from None
     reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
     header, pairs = next(reader, None), []
     if header != ["label", "query_a", "query_b"]:
-        raise iu.GPTliteError(f"{path}: the first line must be the header label<TAB>query_a<TAB>query_b")
+        raise GPTliteError(f"{path}: the first line must be the header label<TAB>query_a<TAB>query_b")
     for line, row in enumerate(reader, 2):
         if len(row) != 3 or row[0] not in LABELS or not row[1].strip() or not row[2].strip():
-            raise iu.GPTliteError(f"{path} line {line}: expected same|different<TAB>query<TAB>query, got {row}")
+            raise GPTliteError(f"{path} line {line}: expected same|different<TAB>query<TAB>query, got {row}")
         pairs.append((LABELS[row[0]], row[1], row[2]))
     if not any(p[0] for p in pairs) or all(p[0] for p in pairs):
-        raise iu.GPTliteError(f"{path}: needs both paraphrase (same) and near-miss (different) pairs")
+        raise GPTliteError(f"{path}: needs both paraphrase (same) and near-miss (different) pairs")
     return pairs
 
 
@@ -138,27 +140,27 @@ def format_sweep(points):
 
 
 def main(argv=None):
-    parser = iu.script_parser(__doc__)
-    parser.add_argument("--threshold", type=iu.float_in(-1, 1), default=sc.DEFAULT_THRESHOLD,
+    parser = harness.script_parser(__doc__)
+    parser.add_argument("--threshold", type=harness.float_in(-1, 1), default=sc.DEFAULT_THRESHOLD,
                         help=f"least cosine similarity served from the cache (default {sc.DEFAULT_THRESHOLD}, "
                              "chosen from the sweep: see the README)")
     parser.add_argument("--pairs", default=str(PAIRS),
                         help="labelled query pairs, UTF-8 TSV: label, query_a, query_b")
     parser.add_argument("--encoder", default=sc.DEFAULT_ENCODER, help="sentence-transformers model name")
-    parser.add_argument("--n-tokens", type=iu.int_at_least(2), default=64, help="characters GPTlite generates per answer")
-    parser.add_argument("--repeats", type=iu.int_at_least(1), default=5,
+    parser.add_argument("--n-tokens", type=harness.int_at_least(2), default=64, help="characters GPTlite generates per answer")
+    parser.add_argument("--repeats", type=harness.int_at_least(1), default=5,
                         help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
     pairs = []  # read while the flags are checked: a bad file is an error before any work
-    preset, device, data = iu.setup(args, parser, lambda preset: pairs.extend(check_args(args, parser)))
+    preset, device, data = harness.setup(args, parser, lambda preset: pairs.extend(check_args(args, parser)))
 
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
-    val_loss = iu.validation_loss(model, data)
+    val_loss = training.validation_loss(model, data)
     with iu.Timer(device) as load_time:
         try:
             embed = sc.sentence_transformer_embedder(args.encoder, device=str(device))
         except ValueError as e:
-            raise iu.GPTliteError(str(e)) from None
+            raise GPTliteError(str(e)) from None
 
     def answer(query):  # the stand-in model behind the cache
         return generate_answer(model, data, query, args.n_tokens, preset.seqlen, device)
@@ -180,7 +182,7 @@ def main(argv=None):
     model_fn = lambda n: generate_kvcache(model, prompt, n, preset.seqlen)  # noqa: E731
     timing = iu.measure_generation(model_fn, args.n_tokens, 1, device, repeats=args.repeats)
     index_mb = round(stats["entries"] * embed.dim * 4 / 2**20, 3)  # a flat index is its vectors
-    rows = [iu.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
+    rows = [harness.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
                         peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device),
                         lookup_ms=None, index_mb=None, served=None)]
     for name, probe in PROBES.items():
@@ -188,7 +190,7 @@ def main(argv=None):
         ms, miss = iu.time_fn(lookup, device, repeats=args.repeats) * 1e3, name.endswith("miss")
         ttft = ms + (timing["ttft_ms"] if miss else 0)  # a hit has the whole answer at once
         total = ms + (args.n_tokens / timing["tokens_per_s"] * 1e3 if miss else 0)  # a miss: the lookup, then GPTlite
-        rows.append(iu.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
+        rows.append(harness.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
                                 tokens_per_s=args.n_tokens / total * 1e3, peak_mem_mb=iu.peak_memory_mb(lookup, device),
                                 val_loss=val_loss, lookup_ms=round(ms, 2), index_mb=index_mb,
                                 served="yes" if cache.lookup(probe)[2] else "no"))
@@ -213,7 +215,7 @@ def main(argv=None):
 
     print(f"\nthe cache at threshold {args.threshold}: answers of {args.n_tokens} characters, "
           f"median of {args.repeats} runs")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     cache_lines = [iu.peak_memory_label(device),
                    "TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the "
                    "whole answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, "
@@ -227,7 +229,7 @@ def main(argv=None):
     summary = cache_lines + summary
 
     if args.plot:
-        fig, ax = iu.new_figure()
+        fig, ax = harness.new_figure()
         ts = [p["threshold"] for p in fine]
         for key in ("precision", "recall", "hit_rate"):
             ax.plot(ts, [p[key] for p in fine], label=key.replace("_", " "))
@@ -235,13 +237,13 @@ def main(argv=None):
         ax.set(xlabel="cosine similarity threshold", ylim=(0, 1.02),
                title=f"{len(pairs)} labelled pairs, {args.encoder.split('/')[-1]}")
         ax.legend()
-        iu.save_plot(fig, args.plot)
+        harness.save_plot(fig, args.plot)
     if args.json:  # rows: the cache table, numbers unformatted; threshold_table: the sweep table; sweep: step 0.01
-        iu.save_json(args.json, "main_semantic_cache.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_semantic_cache.py", preset, device, rows, untrained=args.untrained,
                      encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs),
                      threshold_table=table_sweep, sweep=fine, best_threshold=best, stream=counts, cache_stats=stats,
                      similarities=[round(float(s), 4) for s in similarities], summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import inference_utils as iu
-import kv_budget as kb
+from lib import kv_budget as kb
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
 from gptlite_rope import load_rope
+from lib import corpus, harness, training
 
 METHODS = ["window", "sinks", "H2O", "SnapKV", "Quest"]
 
@@ -45,7 +46,7 @@ def run_checks(base, cached, rope, windows, prompts, n_tokens, methods_full):
     x = windows[:4]
     checks["budgeted dense logits = full forward"] = (kb.teacher_forced_logits(base, x, kb.Dense())
                                                       - base(x)).abs().max().item() <= 1e-4
-    checks["rotary: cached decode = full forward"] = iu.cached_matches_full(rope, x)
+    checks["rotary: cached decode = full forward"] = training.cached_matches_full(rope, x)
     checks["rotary: budgeted dense = full forward"] = (kb.teacher_forced_logits(rope, x, kb.Dense())
                                                        - rope(x)[0]).abs().max().item() <= 1e-4
     return checks
@@ -66,7 +67,7 @@ def quality_rows(base, windows, prompts, n_tokens, budgets, n_sink, page_size):
         first_diff = torch.where(same.all(dim=1), n_tokens, (~same).float().argmax(dim=1)).float().mean().item()
         kept, read = kb.kv_bytes(method, base.seqlen, len(base.blocks), cfg.n_heads, cfg.d_head)
         dense = rows[0]["val_loss"] if rows else loss
-        rows.append(iu.make_row(f"{method.name}" + (f" {method.budget}" if method.budget else ""), method=method.name,
+        rows.append(harness.make_row(f"{method.name}" + (f" {method.budget}" if method.budget else ""), method=method.name,
                                 budget=method.budget or base.seqlen, val_loss=loss,
                                 loss_vs_dense=round(loss - dense, 4), agree=round(same.float().mean().item(), 3),
                                 first_diff=round(first_diff, 1), kv_kept_kb=kept / 1024, kv_read_kb=read / 1024))
@@ -76,9 +77,9 @@ def quality_rows(base, windows, prompts, n_tokens, budgets, n_sink, page_size):
 @torch.inference_mode()
 def reencoding_logits(model, stream, W, batch=64):
     """The reference: the logits of every position, each from a dense pass over its last W tokens. [S, vocab]"""
-    first = iu.logits_of(model(stream[None, :W]))[0]  # positions 0..W-1: their whole past fits
+    first = training.logits_of(model(stream[None, :W]))[0]  # positions 0..W-1: their whole past fits
     windows = stream.unfold(0, W, 1)[1:]  # [S-W, W]: the window ending at each later position
-    rest = [iu.logits_of(model(w))[:, -1] for w in tqdm(windows.split(batch), desc="re-encoding reference",
+    rest = [training.logits_of(model(w))[:, -1] for w in tqdm(windows.split(batch), desc="re-encoding reference",
                                                          dynamic_ncols=True, leave=False)]
     return torch.cat([first] + rest)
 
@@ -86,7 +87,7 @@ def reencoding_logits(model, stream, W, batch=64):
 @torch.inference_mode()
 def reencoding_stream(model, tokens, W):
     """The reference as a stream really runs it, one token at a time: a dense pass over the last W tokens."""
-    return torch.cat([iu.logits_of(model(tokens[:, max(t - W + 1, 0):t + 1]))[:, -1:]
+    return torch.cat([training.logits_of(model(tokens[:, max(t - W + 1, 0):t + 1]))[:, -1:]
                       for t in range(tokens.shape[1])], dim=1)
 
 
@@ -128,7 +129,7 @@ def stream_rows(variants, stream, segment, time_tokens, repeats):
         logits, cache = score(x)
         nll = F.cross_entropy(logits[0], y, reduction="none")  # [S]
         losses[name] = [nll[s:s + segment].mean().item() for s in range(0, len(nll) - segment + 1, segment)]
-        rows.append(iu.make_row(name, val_loss=nll.mean().item(), first_segment=losses[name][0],
+        rows.append(harness.make_row(name, val_loss=nll.mean().item(), first_segment=losses[name][0],
                                 worst_segment=max(losses[name]), last_segment=losses[name][-1]))
         if cache is not None:  # attention on the first cache entries: the sinks, or the window's oldest
             rows[-1]["first_mass"] = sum(cache.first_mass) / len(cache.first_mass) / cache.n_steps
@@ -147,7 +148,7 @@ def stream_rows(variants, stream, segment, time_tokens, repeats):
 
 
 def plot_results(rows, losses, segment, W, path, preset):
-    fig, (ax_q, ax_s) = iu.new_figure(2)
+    fig, (ax_q, ax_s) = harness.new_figure(2)
     dense = next(r for r in rows if r["method"] == "dense")
     for name in METHODS:
         pts = [r for r in rows if r["method"] == name]
@@ -166,25 +167,25 @@ def plot_results(rows, losses, segment, W, path, preset):
     ax_s.set(xlabel="position in the stream (characters)", ylabel=f"loss per {segment} characters",
              title="streaming past the window (teacher forcing)")
     ax_s.legend(fontsize=7)
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--budgets", type=iu.int_at_least(1), nargs="+", default=[16, 32, 64],
+    add("--budgets", type=harness.int_at_least(1), nargs="+", default=[16, 32, 64],
         help="KV budgets, entries per layer and head (at most the window; at least n_sink + 1 and the page size)")
-    add("--n-sink", type=iu.int_at_least(0), default=4, help="StreamingLLM's sink tokens")
-    add("--page-size", type=iu.int_at_least(1), default=8, help="Quest's page size in tokens")
-    add("--n-windows", type=iu.int_at_least(1), default=64, help="validation windows of seqlen for the loss")
-    add("--n-prompts", type=iu.int_at_least(1), default=8, help="prompts for the greedy-token agreement")
-    add("--prompt-len", type=iu.int_at_least(1), default=1,
+    add("--n-sink", type=harness.int_at_least(0), default=4, help="StreamingLLM's sink tokens")
+    add("--page-size", type=harness.int_at_least(1), default=8, help="Quest's page size in tokens")
+    add("--n-windows", type=harness.int_at_least(1), default=64, help="validation windows of seqlen for the loss")
+    add("--n-prompts", type=harness.int_at_least(1), default=8, help="prompts for the greedy-token agreement")
+    add("--prompt-len", type=harness.int_at_least(1), default=1,
         help="prompt length in characters (prompt + tokens within the window keep dense attention exact)")
-    add("--n-tokens", type=iu.int_at_least(2), default=128, help="greedy tokens generated per prompt")
-    add("--stream-chars", type=iu.int_at_least(1000), default=8000, help="validation characters streamed")
-    add("--segment", type=iu.int_at_least(1), default=500, help="characters per loss segment of the stream")
-    add("--time-tokens", type=iu.int_at_least(2), default=256, help="stream tokens timed per variant for tok/s")
-    add("--repeats", type=iu.int_at_least(1), default=3, help="timed runs per variant (median, after a warm-up)")
+    add("--n-tokens", type=harness.int_at_least(2), default=128, help="greedy tokens generated per prompt")
+    add("--stream-chars", type=harness.int_at_least(1000), default=8000, help="validation characters streamed")
+    add("--segment", type=harness.int_at_least(1), default=500, help="characters per loss segment of the stream")
+    add("--time-tokens", type=harness.int_at_least(2), default=256, help="stream tokens timed per variant for tok/s")
+    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per variant (median, after a warm-up)")
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -203,16 +204,16 @@ def parse_args(argv):
 
 def main(argv=None):
     args, parser, check_args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser, check_args)
+    preset, device, data = harness.setup(args, parser, check_args)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     cached = iu.kv_cache_model(base)
     rope = load_rope(preset, device, data, untrained=args.untrained, seed=args.seed)
-    windows = iu.sample_prompts(data, args.n_windows, preset.seqlen + 1, seed=args.seed, device=device)
-    prompts = iu.sample_prompts(data, args.n_prompts, args.prompt_len, seed=args.seed + 1, device=device)
+    windows = corpus.sample_prompts(data, args.n_windows, preset.seqlen + 1, seed=args.seed, device=device)
+    prompts = corpus.sample_prompts(data, args.n_prompts, args.prompt_len, seed=args.seed + 1, device=device)
     n_fit = min(args.n_tokens, preset.seqlen - args.prompt_len + 1)  # exact while the context fits the window
     full = [kb.make_method(name, preset.seqlen, args.n_sink, args.page_size) for name in METHODS]
     checks = run_checks(base, cached, rope, windows[:, :-1], prompts, n_fit, full)
-    iu.require_checks(checks)
+    harness.require_checks(checks)
 
     rows = quality_rows(base, windows, prompts, args.n_tokens, args.budgets, args.n_sink, args.page_size)
     W, stream = preset.seqlen, data.val[:args.stream_chars + 1].to(device)
@@ -222,10 +223,10 @@ def main(argv=None):
     print(f"\nquality: loss over {args.n_windows} validation windows of {preset.seqlen}, each position with the method "
           f"(teacher forcing); agreement: {args.n_prompts} prompts of {args.prompt_len}, {args.n_tokens} greedy tokens; "
           f"KV bytes at a full window, float32")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     print(f"\nstreaming {args.stream_chars} validation characters (loss per {args.segment}; tok/s: the first "
           f"{args.time_tokens}, median of {args.repeats}, batch 1)")
-    iu.print_table(srows, untrained=args.untrained)
+    harness.print_table(srows, untrained=args.untrained)
     sinks = next(r for r in srows if "sinks" in r["variant"])
     window = next(r for r in srows if "window cache" in r["variant"])
     summary = [f"checks passed ({len(checks)}): every method at budget {preset.seqlen} gives generate_kvcache's tokens; "
@@ -243,10 +244,10 @@ def main(argv=None):
     if args.plot:
         plot_results(rows, losses, args.segment, W, args.plot, preset)
     if args.json:
-        iu.save_json(args.json, "main_sparse_attention.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_sparse_attention.py", preset, device, rows, untrained=args.untrained,
                      checks=checks, stream_rows=srows, stream_losses=losses, segment=args.segment,
                      summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -22,8 +22,10 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import inference_utils as iu
-import serving
+from lib import serving
 from gptlite import GPTlite
+from lib.errors import GPTliteError
+from lib import harness, training
 
 
 @torch.inference_mode()
@@ -37,7 +39,7 @@ def next_tokens(model, sequences, seqlen):
     if int(lengths.max()) > seqlen:
         raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit the window seqlen={seqlen}")
     batch = pad_sequence(sequences, batch_first=True, padding_value=0)  # [B, S], right padding
-    logits = iu.logits_of(model(batch))  # [B, S, vocab]
+    logits = training.logits_of(model(batch))  # [B, S, vocab]
     last = logits[torch.arange(len(sequences), device=batch.device), lengths - 1]  # [B, vocab]
     return last.argmax(dim=-1)  # [B]
 
@@ -73,9 +75,9 @@ def static_batching(model, requests, batch_size, seqlen, clock=None):
 
 
 def main(argv=None):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64)  # offline: every request at time 0
-    parser.add_argument("--batch-sizes", type=iu.int_at_least(1), nargs="+", default=[1, 8],
+    parser.add_argument("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8],
                         help="requests per static batch, a row each")
     args = parser.parse_args(argv)
 
@@ -84,13 +86,13 @@ def main(argv=None):
         if len(set(args.batch_sizes)) != len(args.batch_sizes):
             parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
 
-    preset, device, data = iu.setup(args, parser, check_args)
+    preset, device, data = harness.setup(args, parser, check_args)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     seqlen = preset.seqlen
     requests, _ = serving.make_trace(data.val, args.n_requests, float("inf"), seqlen, args.prompt_median,
                                      args.output_median, seed=args.seed, device=device)
     reference = serving.reference_outputs(iu.kv_cache_model(base), requests, seqlen)
-    val_loss = iu.validation_loss(base, data)
+    val_loss = training.validation_loss(base, data)
 
     static_batching(base, requests[:2], 2, seqlen)  # warm-up
     runs = {batch_size: [] for batch_size in args.batch_sizes}
@@ -104,7 +106,7 @@ def main(argv=None):
     bar.close()
     peaks = {batch_size: iu.peak_memory_mb(lambda: static_batching(base, requests, batch_size, seqlen), device)  # noqa: B023
              for batch_size in args.batch_sizes}  # one more, untimed run each
-    rows = [iu.make_row(f"static batching, batch {batch_size}", peak_mem_mb=peaks[batch_size],
+    rows = [harness.make_row(f"static batching, batch {batch_size}", peak_mem_mb=peaks[batch_size],
                         **serving.median_figures([figures for figures, _ in batch_runs]),
                         same=next((same for _, same in batch_runs if same != "yes"), "yes"))
             for batch_size, batch_runs in runs.items()]
@@ -112,21 +114,21 @@ def main(argv=None):
     print(f"\n{len(requests)} requests at time 0, {n_new} new tokens in all, no KV cache (the post's next_tokens); "
           f"TTFT arrival: p50 (then p99) over requests, from their arrival; TPOT: p50 and p99 over requests; "
           f"tok/s: new tokens per second of steps; median of {args.repeats} runs; validation loss {val_loss:.4f}")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     print(iu.peak_memory_label(device))
     if args.plot:
-        fig, ax = iu.new_figure()
+        fig, ax = harness.new_figure()
         ax.bar([str(b) for b in args.batch_sizes], [r["wasted_slot_steps"] for r in rows])
         ax.set(xlabel="batch size", ylabel="wasted slot-steps", title=f"static batching, {len(requests)} requests")
-        iu.save_plot(fig, args.plot)
+        harness.save_plot(fig, args.plot)
     if args.json:
-        iu.save_json(args.json, "main_static_batching.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_static_batching.py", preset, device, rows, untrained=args.untrained,
                      val_loss=val_loss, n_requests=len(requests), n_new_tokens=n_new,
                      summary=[iu.peak_memory_label(device)])
     failures = [r["variant"] for r in rows if r["same"] != "yes"]
     if failures:
-        raise iu.GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -27,9 +27,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import inference_utils as iu
-import structured_decoding as sd
+from lib import structured_decoding as sd
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
+from lib.errors import GPTliteError
+from lib import harness, training
 
 
 @dataclass
@@ -63,7 +65,7 @@ def constrained_generate(model, prompt, grammar, max_chars, seqlen, jump_forward
                 out.mask_s.append(time.perf_counter() - t0)
             ids = [logits.argmax(dim=-1).item()]
             if grammar and not matcher.accept_token(ids[0]):
-                raise iu.GPTliteError("the grammar allows no character here; check it (a dead end)")
+                raise GPTliteError("the grammar allows no character here; check it (a dead end)")
         out.tokens += ids
         if len(out.tokens) >= max_chars or (matcher.is_terminated() if grammar else stop(out.tokens)):
             break  # no forward pass for a character that nothing follows
@@ -143,7 +145,7 @@ def grammar_loss(model, task, data, seqlen, masked):
     for offset, text in task.examples:
         end = offset + len(text)
         window = data.val[end - seqlen - 1:end].to(device)  # [seqlen + 1]: the inputs and their next characters
-        logits = iu.logits_of(model(window[None, :-1]))[0, -len(text):].float()  # [len, vocab]
+        logits = training.logits_of(model(window[None, :-1]))[0, -len(text):].float()  # [len, vocab]
         if masked:  # every row at once: the grammar's mask before each character of the text
             task.grammar.mask_logits_along(logits, text)
         total += F.cross_entropy(logits, window[-len(text):], reduction="sum").item()
@@ -174,7 +176,7 @@ def make_rows(tasks, results, losses, vocab):
             n_chars = sum(len(t) for t in texts)
             median = lambda xs: statistics.median(xs) * 1e3 if xs else None
             regex = task.grammar.python_regex
-            rows.append(iu.make_row(
+            rows.append(harness.make_row(
                 variant, grammar=task.name, tokens_per_s=n_chars / statistics.median(seconds),
                 val_loss=losses[task.name, variant != "unconstrained"],
                 accepted=sum(map(task.grammar.accepts, texts)) / len(texts),
@@ -186,7 +188,7 @@ def make_rows(tasks, results, losses, vocab):
 
 
 def plot_results(rows, path, preset, device):
-    fig, (ax_calls, ax_speed) = iu.new_figure(2)
+    fig, (ax_calls, ax_speed) = harness.new_figure(2)
     grammars = list(dict.fromkeys(r["grammar"] for r in rows))
     width = 0.8 / len(VARIANTS)
     for k, variant in enumerate(VARIANTS):
@@ -199,20 +201,20 @@ def plot_results(rows, path, preset, device):
     ax_calls.set(ylabel="model calls per output character", title=f"structured decoding (preset {preset.name})")
     ax_speed.set(ylabel="output characters per second", title=f"greedy, batch 1 ({device})")
     ax_calls.legend(loc="lower left")
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--speakers", nargs="+", default=None, metavar="NAME",
         help="speaker names the grammars allow, as the corpus writes them (default: the 8 who speak most "
              "in the validation text)")
-    add("--n-outputs", type=iu.int_at_least(1), default=8, help="prompts (validation text before a turn) per variant")
-    add("--prompt-len", type=iu.int_at_least(1), default=16, help="prompt length in characters")
-    add("--max-lines", type=iu.int_at_least(1), default=2, help="most verse lines in a play turn")
-    add("--max-line-chars", type=iu.int_at_least(4), default=48, help="most characters in a line")
-    add("--repeats", type=iu.int_at_least(1), default=3, help="timed rounds (median, after the checked warm-up)")
+    add("--n-outputs", type=harness.int_at_least(1), default=8, help="prompts (validation text before a turn) per variant")
+    add("--prompt-len", type=harness.int_at_least(1), default=16, help="prompt length in characters")
+    add("--max-lines", type=harness.int_at_least(1), default=2, help="most verse lines in a play turn")
+    add("--max-line-chars", type=harness.int_at_least(4), default=48, help="most characters in a line")
+    add("--repeats", type=harness.int_at_least(1), default=3, help="timed rounds (median, after the checked warm-up)")
     return parser, parser.parse_args(argv)
 
 
@@ -229,7 +231,7 @@ def check_speakers(parser, args, data, val_text):
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    preset, device, data = iu.setup(args, parser)
+    preset, device, data = harness.setup(args, parser)
     val_text = data.decode(data.val.tolist())
     speakers = check_speakers(parser, args, data, val_text)
     max_chars = max(map(len, speakers)) + 3 + args.max_lines * (args.max_line_chars + 1)  # the longest turn
@@ -249,7 +251,7 @@ def main(argv=None):
 
     print(f"\nspeakers: {', '.join(speakers)}; {args.n_outputs} prompts of {args.prompt_len} characters (the text "
           f"before a validation turn), at most {max_chars} characters per output, median of {args.repeats} rounds")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     summary = [f"val loss: the validation turns each grammar accepts ({', '.join(f'{t.name}: {len(t.examples)}' for t in tasks)}), "
                "unconstrained vs. with the grammar's mask (renormalized over the allowed characters)",
                "accepted: outputs the grammar engine accepts; accepted_re: Python's re.fullmatch of the same regex",
@@ -259,14 +261,14 @@ def main(argv=None):
                  for t in tasks),
                "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
     print("\n".join(summary))
-    iu.require_checks(checks)
+    harness.require_checks(checks)
     if args.plot:
         plot_results(rows, args.plot, preset, device)
     if args.json:
-        iu.save_json(args.json, "main_structured_decoding.py", preset, device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_structured_decoding.py", preset, device, rows, untrained=args.untrained,
                      speakers=speakers, grammars={t.name: t.grammar.source for t in tasks}, checks=checks,
                      summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

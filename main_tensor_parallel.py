@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import distributed
+from lib import distributed
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, decode_n_tokens, generate_kvcache, prefill
 from gptlite_tp import RowParallelLinear, shard_state_dict  # noqa: F401 (the post's listing)
 from gptlite_tp import check_tp_size, tensor_parallel_model
+from lib.errors import GPTliteError
+from lib import corpus, files, harness
 
 ATOL = 1e-5  # float32 logits: the N partial sums are added in another order
 WORKLOADS = ("prefill", "b1", "bB")  # a batch of prompts; one decode step at batch 1; at the large batch
@@ -117,7 +119,7 @@ def make_rows(variants, samples, batch_size):
         f = figures(samples[name])
         kv_mb = StaticKVCache.for_model(model, batch_size).nbytes / 2**20  # a full window of seqlen tokens
         tp = ranks > 1
-        rows.append(iu.make_row(
+        rows.append(harness.make_row(
             name, ranks=ranks, threads=threads, batch=batch_size, weight_mb=round(iu.model_size_mb(model), 3),
             kv_mb=round(kv_mb, 3), prefill_ms=round(f["prefill"], 2), tpot_b1_ms=round(f["b1"], 3),
             tpot_bB_ms=round(f["bB"], 3), ar_prefill=round(f["ar_prefill"], 1) if tp else None,
@@ -135,7 +137,7 @@ def speedups(rows):
 
 
 def plot_results(rows, path, preset, device):
-    fig, ax = iu.new_figure()
+    fig, ax = harness.new_figure()
     labels = ["prefill", "TPOT batch 1", f"TPOT batch {rows[0]['batch']}"]
     keys = [("prefill_ms", "ar_prefill"), ("tpot_b1_ms", "ar_b1"), ("tpot_bB_ms", "ar_bB")]
     width = 0.8 / len(rows)
@@ -152,21 +154,21 @@ def plot_results(rows, path, preset, device):
     ax.set(ylabel=f"time / time of {rows[0]['variant']}",
            title=f"tensor parallelism, preset {preset.name} ({device}, {'gloo' if device.type == 'cpu' else 'NCCL'})")
     ax.legend(fontsize=8)
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)
 
 
 def parse_args(argv):
-    parser = iu.script_parser(__doc__)
+    parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--ranks", type=iu.int_at_least(1), default=1,
+    add("--ranks", type=harness.int_at_least(1), default=1,
         help="processes on this machine: with N > 1 the script starts itself under torchrun "
              "(= torchrun --nproc-per-node N main_tensor_parallel.py); under torchrun: its world size")
-    add("--threads", type=iu.int_at_least(1), default=1, help="torch threads per rank (and of the 1-rank baseline)")
-    add("--batch-size", type=iu.int_at_least(1), default=64, help="the large batch: prompts prefilled and decoded")
-    add("--prompt-len", type=iu.int_at_least(1), default=64, help="prompt length in characters")
-    add("--n-tokens", type=iu.int_at_least(1), default=32, help="decode steps timed per TPOT figure")
-    add("--repeats", type=iu.int_at_least(1), default=5, help="timed rounds (median, after a warm-up round)")
-    add("--timeout", type=iu.int_at_least(1), default=60,
+    add("--threads", type=harness.int_at_least(1), default=1, help="torch threads per rank (and of the 1-rank baseline)")
+    add("--batch-size", type=harness.int_at_least(1), default=64, help="the large batch: prompts prefilled and decoded")
+    add("--prompt-len", type=harness.int_at_least(1), default=64, help="prompt length in characters")
+    add("--n-tokens", type=harness.int_at_least(1), default=32, help="decode steps timed per TPOT figure")
+    add("--repeats", type=harness.int_at_least(1), default=5, help="timed rounds (median, after a warm-up round)")
+    add("--timeout", type=harness.int_at_least(1), default=60,
         help="seconds a rank waits for a peer in a collective before it stops with an error")
     args = parser.parse_args(argv)
     world = distributed.world_size() if distributed.launched() else args.ranks
@@ -178,13 +180,13 @@ def parse_args(argv):
             check_tp_size(preset.n_heads, 4 * preset.d_model, world)
         except ValueError as e:
             parser.error(f"--ranks (or torchrun's --nproc-per-node): {e}")
-        device = iu.get_device(args.device)
+        device = harness.get_device(args.device)
         if device.type == "cuda" and world > torch.cuda.device_count():
             parser.error(f"{world} processes need {world} CUDA devices on this machine (NCCL: one GPU per rank); "
                          f"it has {torch.cuda.device_count()}")
-        if world > 1 and not args.untrained and not iu.checkpoint_path(preset.name).exists():
-            parser.error(f"no checkpoint {iu.checkpoint_path(preset.name)}: train it once first with "
-                         f"{iu.gptlite_command(preset.name)} (N ranks would each train one)")
+        if world > 1 and not args.untrained and not files.checkpoint_path(preset.name).exists():
+            parser.error(f"no checkpoint {files.checkpoint_path(preset.name)}: train it once first with "
+                         f"{files.gptlite_command(preset.name)} (N ranks would each train one)")
     return args, parser, check_args, world
 
 
@@ -192,16 +194,16 @@ def main(argv=None):
     args, parser, check_args, world = parse_args(argv)
     if world > 1 and not distributed.launched():  # every flag checked here, then torchrun starts the N ranks
         with contextlib.redirect_stdout(io.StringIO()):  # rank 0 says it again
-            iu.setup(args, parser, check_args)
+            harness.setup(args, parser, check_args)
         rc = distributed.launch(__file__, sys.argv[1:] if argv is None else argv, world, timeout_s=None,
                                 capture=False).returncode
         if rc != 0:
-            raise iu.GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
+            raise GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
                                   "(torchrun's summary names it)")
         return
     rank0 = not distributed.launched() or distributed.rank() == 0
     with contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO()):  # rank 0 speaks
-        preset, device, data = iu.setup(args, parser, check_args)
+        preset, device, data = harness.setup(args, parser, check_args)
         d = distributed.init(device, args.timeout)
         torch.set_num_threads(args.threads)
         with distributed.collective_errors(args.timeout):
@@ -212,15 +214,15 @@ def main(argv=None):
 def experiment(args, preset, d, data):
     single = iu.load_model(GPTlite_KVCache, preset, d.device, data, untrained=args.untrained, seed=args.seed)
     tp = tensor_parallel_model(single.state_dict(), preset.model_config(), d.rank, d.world_size)
-    window = iu.sample_prompts(data, 8, preset.seqlen, seed=args.seed, device=d.device)  # full windows
-    prompts = iu.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=d.device)
+    window = corpus.sample_prompts(data, 8, preset.seqlen, seed=args.seed, device=d.device)  # full windows
+    prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=d.device)
     diff, same = agree(*tp_matches_single(tp, single, window, window[:, :args.prompt_len], args.n_tokens,
                                           preset.seqlen), d.device)
     checks = [f"{d.world_size} rank(s) against the single-process model: max |logits diff| {diff:.1e} "
               f"(atol {ATOL:g}, float32); greedy cached tokens identical: {'yes' if same else 'NO'}"]
     print(checks[0])
     if diff > ATOL or not same:
-        raise iu.GPTliteError(f"the tensor-parallel model differs from the single-process model ({checks[0]}); "
+        raise GPTliteError(f"the tensor-parallel model differs from the single-process model ({checks[0]}); "
                               "this is a bug (nothing timed or written)")
 
     T, N = args.threads, d.world_size
@@ -235,7 +237,7 @@ def experiment(args, preset, d, data):
     print(f"\n{N} rank(s), backend {d.backend}; prefill: {args.batch_size} prompts of {args.prompt_len}; TPOT: one "
           f"decode step, median over {args.repeats} rounds of {args.n_tokens} steps, at batch 1 and at batch "
           f"{args.batch_size} (bB); weights and KV cache per rank (the KV cache at a full window of {preset.seqlen})")
-    iu.print_table(rows, untrained=args.untrained)
+    harness.print_table(rows, untrained=args.untrained)
     summary = checks + [
         "figures of rank 0. ar_*: the share (%) of each step's time spent in dist.all_reduce (waiting for the "
         "slower rank included); ar_KB_per_token: the all-reduce payload per token (2 per block, d_model floats each)"]
@@ -245,10 +247,10 @@ def experiment(args, preset, d, data):
     if args.plot:
         plot_results(rows, args.plot, preset, d.device)
     if args.json:
-        iu.save_json(args.json, "main_tensor_parallel.py", preset, d.device, rows, untrained=args.untrained,
+        harness.save_json(args.json, "main_tensor_parallel.py", preset, d.device, rows, untrained=args.untrained,
                      world_size=N, backend=d.backend, threads=T, logits_max_diff=diff, tokens_identical=same,
                      summary=summary)
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -28,11 +28,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 import inference_utils as iu
+from lib.errors import GPTliteError
+from lib import files, harness
 
-ROOT = iu.ROOT
+ROOT = files.ROOT
 
 
-class ReproduceError(iu.GPTliteError):
+class ReproduceError(GPTliteError):
     pass
 
 
@@ -222,7 +224,7 @@ def execute(run, args, results):
     result["reproduce"] = {"command": " ".join(["python", *cmd]), "machine": machine(result["device"]),
                      "date": datetime.date.today().isoformat(), "seconds": round(time.time() - start),
                      "load_average": round(load, 1)}
-    iu.atomic_write_bytes((json.dumps(result, indent=2) + "\n").encode(), results / f"{run.name}.json")
+    files.atomic_write_bytes((json.dumps(result, indent=2) + "\n").encode(), results / f"{run.name}.json")
     out_json.unlink()
     if run.plot:
         os.replace(out_png, results / f"{run.name}.png")
@@ -635,7 +637,7 @@ def render(runs, pages, results_dir, problems):
             continue
         edit(run.page, run.name, "table", table)
         if run.plot:
-            iu.atomic_write_bytes(png, pages / plot_path(run, result))
+            files.atomic_write_bytes(png, pages / plot_path(run, result))
             edit(run.page, run.name, "plot", plot_block(run, result))
     results = {run.name: results_dir / f"{run.name}.json" for run in RUNS}  # a failed run's last good one
     missing = [name for name, path in results.items() if not path.is_file()]
@@ -647,7 +649,7 @@ def render(runs, pages, results_dir, problems):
         except Exception as e:  # a headline that no longer fits its script's JSON: reported, README untouched
             problems["one-glance table"] = f"{SUMMARY[0]} left as it was: {type(e).__name__}: {e}"
     for page, text in edits.items():
-        iu.atomic_write_bytes(text.encode(), pages / page)
+        files.atomic_write_bytes(text.encode(), pages / page)
         print(f"wrote {pages / page}")
 
 
@@ -675,8 +677,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     runs = select(args.only, parser)
     try:
-        iu.get_device(args.device)  # a bad --device is one error now, not one per script
-    except iu.GPTliteError as e:
+        harness.get_device(args.device)  # a bad --device is one error now, not one per script
+    except GPTliteError as e:
         parser.error(str(e))
     out = Path(args.out) if args.out else ROOT / "results" / "quick" if args.quick else None
     results_dir, pages = (out, out / "pages") if out else (ROOT / "results", ROOT)
@@ -703,4 +705,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

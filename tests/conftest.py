@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lib import corpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -37,7 +38,7 @@ def real_data():
     if not path or not Path(path).is_file():
         pytest.skip("GPTLITE_DATA does not point at tinyshakespeare.txt (CI sets it; tests never download)")
     import inference_utils as iu
-    return iu.load_data(path)
+    return corpus.load_data(path)
 
 
 @pytest.fixture

@@ -17,10 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import disaggregation  # noqa: E402
-import distributed  # noqa: E402
+from lib import disaggregation  # noqa: E402
+from lib import distributed  # noqa: E402
 import inference_utils as iu  # noqa: E402
-import serving  # noqa: E402
+from lib import files, harness  # noqa: E402
+from lib import serving  # noqa: E402
 from gptlite_kvcache import GPTlite_KVCache  # noqa: E402
 
 CONFIG = dict(vocab_size=65, d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16)  # TINY
@@ -69,11 +70,11 @@ def main():
             runs[run] = {"outputs": [o.tolist() for o in outputs], "first": clock.first, "last": clock.last,
                          "arrivals": clock.arrivals, **stats}
     if d.rank == 0:
-        iu.atomic_write_bytes(json.dumps({
+        files.atomic_write_bytes(json.dumps({
             "reference": [r.tolist() for r in reference], "n_tokens": [n for _, n in requests],
             "prompt_lens": [len(p) for p, _ in requests], **runs}).encode(), out)
     distributed.shutdown()
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -8,7 +8,7 @@ import torch
 import inference_utils as iu
 import main_continuous_batching
 import main_static_batching
-import serving
+from lib import harness, serving
 from conftest import TINY
 from gptlite_kvcache import generate_kvcache
 from main_continuous_batching import continuous_batching
@@ -264,7 +264,7 @@ def test_main_continuous_batching_prefix_sharing_end_to_end(real_data, tmp_path,
     (main_continuous_batching, ["--turns", "1"]), (main_continuous_batching, ["--think-time", "0"]),
     (main_continuous_batching, ["--system-len", "0"])])
 def test_bad_flags_are_clear_errors_before_any_work(script, flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         script.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import distributed
+from lib import distributed
 import main_disaggregation
 from conftest import TINY
-from disaggregation import LiveClock, admit_prefilled, checksum, engine_parts, kv_of, makespan_throughput
+from lib.disaggregation import LiveClock, admit_prefilled, checksum, engine_parts, kv_of, makespan_throughput
 from gptlite_kvcache import generate_kvcache, prefill
-from paged_engine import Sequence
+from lib.paged_engine import Sequence
 
 WORKER = Path(__file__).resolve().parent / "disagg_worker.py"
 SEQLEN = TINY["seqlen"]

@@ -12,6 +12,8 @@ from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from main_distillation import distillation_loss, distillation_loss_fn, student_preset
 from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
+from lib.errors import GPTliteError
+from lib import files, harness, presets, training
 
 
 def logits_pair(seed=0, shape=(2, 5, 65)):
@@ -76,21 +78,21 @@ def test_bad_input_is_a_clear_error(kwargs, match):
 
 
 def test_student_of_gptlite_is_the_distilled_preset_and_the_cpu_student_is_smaller():
-    assert student_preset(iu.PRESETS["gptlite"]) == iu.PRESETS["distilled"]
-    cpu, student = iu.PRESETS["cpu"], student_preset(iu.PRESETS["cpu"])
+    assert student_preset(presets.PRESETS["gptlite"]) == presets.PRESETS["distilled"]
+    cpu, student = presets.PRESETS["cpu"], student_preset(presets.PRESETS["cpu"])
     assert (student.d_model, student.n_layers, student.n_heads, student.d_head) == (64, 2, 3, 32)
     assert (student.seqlen, student.vocab_size, student.batch_size) == (cpu.seqlen, cpu.vocab_size, cpu.batch_size)
 
 
 def quick_validation_loss(model, data, n_batches=20, batch_size=32, seqlen=None, seed=1234,
-                          _validation_loss=iu.validation_loss):
+                          _validation_loss=training.validation_loss):
     """validation_loss on 2 batches of 8 for the scripts' end-to-end tests (train_steps calls it too)."""
     return _validation_loss(model, data, n_batches=2, batch_size=8, seqlen=seqlen, seed=seed)
 
 
 def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(real_data, tmp_path, capsys, monkeypatch,
                                                                              unmeasurable_tpot):
-    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)  # tiny settings: 2 batches of 8
+    monkeypatch.setattr(training, "validation_loss", quick_validation_loss)  # tiny settings: 2 batches of 8
     unmeasurable_tpot("soft labels")
     out_json, out_png, out_ckpt = tmp_path / "d.json", tmp_path / "d.png", tmp_path / "student.pt"
     main_distillation.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "2", "--prompt-len", "8",
@@ -101,7 +103,7 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["teacher", "hard labels", "soft labels", "soft + hard (alpha=0.5)"]
-    student_params = sum(p.numel() for p in GPTlite(**student_preset(iu.PRESETS["cpu"]).model_config()).parameters())
+    student_params = sum(p.numel() for p in GPTlite(**student_preset(presets.PRESETS["cpu"]).model_config()).parameters())
     assert rows["teacher"]["params"] > 6 * student_params and rows["hard labels"]["params"] == student_params
     for r in rows.values():
         assert positive_or_none(r["tpot_ms"]) and r["tokens_per_s"] > 0 and r["val_loss"] > 0
@@ -114,7 +116,7 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
     assert all(len(h) == 2 for h in result["histories"].values())  # evaluated after each of the 2 steps
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    ckpt = iu.load_checkpoint(out_ckpt, vocab=real_data.vocab)
+    ckpt = files.load_checkpoint(out_ckpt, vocab=real_data.vocab)
     assert ckpt["meta"]["variant"] == result["best"] and result["saved"] == str(out_ckpt)
     assert rebuild_of(ckpt).startswith("python main_distillation.py --untrained --preset cpu")
     model = GPTlite(**ckpt["config"]).eval()
@@ -123,12 +125,12 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
     cached.load_state_dict(ckpt["state_dict"])
     prompt = torch.tensor([real_data.encode("ROMEO:")])
     assert torch.equal(generate_kvcache(cached, prompt, 8, model.seqlen), generate(model, prompt, 8, model.seqlen))
-    assert iu.validation_loss(model, real_data) == pytest.approx(rows[result["best"]]["val_loss"], abs=1e-6)  # the best one
+    assert training.validation_loss(model, real_data) == pytest.approx(rows[result["best"]]["val_loss"], abs=1e-6)  # the best one
 
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, monkeypatch, diverging_loss):
-    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)
-    with pytest.raises(iu.GPTliteError):
+    monkeypatch.setattr(training, "validation_loss", quick_validation_loss)
+    with pytest.raises(GPTliteError):
         main_distillation.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "1", "--prompt-len", "8",
                                 "--n-tokens", "2", "--repeats", "1", "--batch-size", "2", "--save", str(tmp_path / "s.pt"),
                                 "--json", str(tmp_path / "d.json"), "--plot", str(tmp_path / "d.png")])
@@ -140,7 +142,7 @@ def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, mon
                                    ["--iters", "0"], ["--batch-size", "0"], ["--n-tokens", "1"], ["--prompt-len", "129"],
                                    ["--prompt-len", "0"], ["--repeats", "0"], ["--save", "/no/such/folder/s.pt"], ["--bogus"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_distillation.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err

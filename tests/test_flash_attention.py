@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import attention_benchmark as ab
+from lib import attention_benchmark as ab, harness
 import inference_utils as iu
 import main_flash_attention as mfa
 from conftest import TINY
@@ -192,7 +192,7 @@ def test_main_flash_attention_end_to_end(real_data, tmp_path, capsys):
                                    ["--window", "0"], ["--bench-batch", "0"], ["--bench-repeats", "0"],
                                    ["--plot", "out.txt"], ["--bogus"], ["--device", "tpu"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         mfa.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2

@@ -12,6 +12,7 @@ import main_flash_decoding as mfd
 from conftest import TINY
 from gptlite_kvcache import generate_kvcache
 from main_flash_decoding import flash_decoding
+from lib import harness
 
 ATOL = 1e-5  # float32
 SEQLEN = TINY["seqlen"]
@@ -113,7 +114,7 @@ def test_main_flash_decoding_end_to_end(real_data, tmp_path, capsys):
                                    ["--n-tokens", "1"], ["--bench-batch", "0"], ["--prompt-len", "129"],
                                    ["--plot", "out.txt"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         mfd.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2

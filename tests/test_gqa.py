@@ -11,6 +11,8 @@ from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, group_counts, load_gqa
 from gptlite_kvcache import StaticKVCache, generate_kvcache
+from lib.errors import CheckpointError, GPTliteError
+from lib import files, harness, presets, training
 
 ATOL = 1e-5  # float32
 SEQLEN, H, D = TINY["seqlen"], TINY["n_heads"], TINY["d_head"]
@@ -156,32 +158,32 @@ def test_bad_group_counts_and_caches_are_clear_errors(tiny_models):
 def test_saved_gqa_checkpoint_loads_with_its_config(tmp_path):
     gqa = converted(random_mha(FOUR_HEADS), FOUR_HEADS, 2)
     path = tmp_path / "gqa.pt"
-    iu.save_checkpoint(path, gqa, {**FOUR_HEADS, "n_groups": 2}, "abc")
+    files.save_checkpoint(path, gqa, {**FOUR_HEADS, "n_groups": 2}, "abc")
     loaded = load_gqa(path)
     x = random_tokens(2, SEQLEN)
     with torch.inference_mode():
         assert torch.equal(loaded(x)[0], gqa(x)[0])
-    iu.save_checkpoint(path, random_mha(TINY), TINY, "abc")
-    with pytest.raises(iu.CheckpointError, match="not a GQA checkpoint"):
+    files.save_checkpoint(path, random_mha(TINY), TINY, "abc")
+    with pytest.raises(CheckpointError, match="not a GQA checkpoint"):
         load_gqa(path)
 
 
 @pytest.fixture
 def one_batch_validation(monkeypatch):
     """Validation on one batch instead of 20 (10 inside train_steps): the script's logic, not its precision."""
-    validation_loss = iu.validation_loss
-    monkeypatch.setattr(iu, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
+    validation_loss = training.validation_loss
+    monkeypatch.setattr(training, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
         model, data, n_batches=1, **kw))
 
 
 @pytest.fixture
 def diverging_loss(monkeypatch):
     """Every train_steps call trains on a NaN loss, as a run whose loss diverges."""
-    train_steps = iu.train_steps
+    train_steps = training.train_steps
 
     def nan_loss(model, x, y):
-        return iu.cross_entropy_loss(model, x, y) * float("nan")
-    monkeypatch.setattr(iu, "train_steps", lambda *args, **kwargs: train_steps(*args, **{**kwargs, "loss_fn": nan_loss}))
+        return training.cross_entropy_loss(model, x, y) * float("nan")
+    monkeypatch.setattr(training, "train_steps", lambda *args, **kwargs: train_steps(*args, **{**kwargs, "loss_fn": nan_loss}))
 
 
 def rebuild_of(ckpt):
@@ -211,7 +213,7 @@ def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path
     rows = result["rows"]
     assert [(r["variant"], r["n_groups"], r["kv_vs_mha"]) for r in rows] == [
         ("MHA", 4, 1.0), ("GQA-2", 2, 0.5), ("MQA", 1, 0.25)]
-    p = iu.PRESETS["cpu"]
+    p = presets.PRESETS["cpu"]
     assert rows[0]["kv_cache_mb"] == pytest.approx(2 * p.n_layers * 2 * p.n_heads * p.seqlen * p.d_head * 4 / 2**20)
     for r in rows:
         assert r["ttft_ms"] > 0 and positive_or_none(r["tpot_ms"]) and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
@@ -220,15 +222,15 @@ def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path
     assert rows[2]["tpot_ms"] is None and rows[0]["loss_vs_mha"] == 0
     assert "TPOT ms" in result["columns"][2] and "loss_vs_mha" in [c[0] for c in result["columns"]]
     base = iu.load_model(GPTlite, "cpu", untrained=True, seed=0)  # the script's random weights
-    assert rows[0]["loss_converted"] == pytest.approx(iu.validation_loss(base, real_data), abs=1e-4)
+    assert rows[0]["loss_converted"] == pytest.approx(training.validation_loss(base, real_data), abs=1e-4)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a None TPOT is left out of the plot
     saved = load_gqa(out_ckpt)
-    assert saved.blocks[0].mha.n_groups == 2 and iu.load_checkpoint(out_ckpt)["meta"]["uptrain_steps"] == 1
-    assert rebuild_of(iu.load_checkpoint(out_ckpt)).startswith("python main_gqa.py --untrained --preset cpu --device cpu")
+    assert saved.blocks[0].mha.n_groups == 2 and files.load_checkpoint(out_ckpt)["meta"]["uptrain_steps"] == 1
+    assert rebuild_of(files.load_checkpoint(out_ckpt)).startswith("python main_gqa.py --untrained --preset cpu --device cpu")
 
 
 def test_main_gqa_saves_nothing_unless_asked(real_data, tmp_path, monkeypatch, one_batch_validation):
-    monkeypatch.setattr(iu, "CHECKPOINT_DIR", tmp_path)
+    monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path)
     monkeypatch.chdir(tmp_path)
     main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                    "--n-tokens", "2", "--repeats", "1"])
@@ -237,7 +239,7 @@ def test_main_gqa_saves_nothing_unless_asked(real_data, tmp_path, monkeypatch, o
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one_batch_validation, diverging_loss):
     out = [tmp_path / "gqa.json", tmp_path / "gqa.png", tmp_path / "gqa.pt"]
-    with pytest.raises(iu.GPTliteError):
+    with pytest.raises(GPTliteError):
         main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                        "--n-tokens", "2", "--repeats", "1", "--json", str(out[0]), "--plot", str(out[1]),
                        "--save", str(out[2])])
@@ -245,9 +247,9 @@ def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one
 
 
 def test_rebuild_command_names_the_script_its_flags_and_the_preset():
-    cpu = iu.PRESETS["cpu"]
-    assert iu.rebuild_command("main_gqa.py", ["--save", "a b.pt"], cpu) == "python main_gqa.py --preset cpu --save 'a b.pt'"
-    assert iu.rebuild_command("main_gqa.py", ["--preset=gptlite"], cpu) == "python main_gqa.py --preset=gptlite"
+    cpu = presets.PRESETS["cpu"]
+    assert files.rebuild_command("main_gqa.py", ["--save", "a b.pt"], cpu) == "python main_gqa.py --preset cpu --save 'a b.pt'"
+    assert files.rebuild_command("main_gqa.py", ["--preset=gptlite"], cpu) == "python main_gqa.py --preset=gptlite"
 
 
 @pytest.mark.parametrize("flags", [["--uptrain-steps", "0"], ["--batch-size", "0"], ["--n-tokens", "1"],
@@ -255,7 +257,7 @@ def test_rebuild_command_names_the_script_its_flags_and_the_preset():
                                    ["--lr", "inf"], ["--lr", "nan"], ["--save-groups", "3"], ["--save-groups", "0"],
                                    ["--save", "/no/such/folder/g.pt"], ["--plot", "g.txt"], ["--bogus"]])
 def test_main_gqa_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_gqa.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2

@@ -19,8 +19,10 @@ import inference_utils as iu
 from conftest import TINY
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache
+from lib.errors import CheckpointError, DataError, GPTliteError, TrainingDiverged
+from lib import corpus, files, harness, presets, training
 
-TINY_PRESET = iu.Preset("tiny", d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16,
+TINY_PRESET = presets.Preset("tiny", d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16,
                         batch_size=8, lr=3e-3, iters=3)
 
 
@@ -29,7 +31,7 @@ def synthetic_data(text="to be or not to be, that is the question\n" * 50):
     vocab = "".join(sorted(set(text)))
     tokens = torch.tensor([vocab.index(c) for c in text])
     n = int(0.9 * len(tokens))
-    return iu.Data(vocab=vocab, train=tokens[:n], val=tokens[n:])
+    return corpus.Data(vocab=vocab, train=tokens[:n], val=tokens[n:])
 
 
 def tiny_preset_for(data, **changes):
@@ -40,8 +42,8 @@ def tiny_preset_for(data, **changes):
 
 def test_real_data_is_character_level_and_split_90_10(real_data):
     assert len(real_data.vocab) == 65
-    assert len(real_data.train) + len(real_data.val) == iu.DATA_BYTES
-    assert len(real_data.train) == int(0.9 * iu.DATA_BYTES)
+    assert len(real_data.train) + len(real_data.val) == corpus.DATA_BYTES
+    assert len(real_data.train) == int(0.9 * corpus.DATA_BYTES)
     assert real_data.decode(real_data.train[:14].tolist()) == "First Citizen:"
     assert real_data.encode("First") == real_data.train[:5].tolist()
 
@@ -49,30 +51,30 @@ def test_real_data_is_character_level_and_split_90_10(real_data):
 def test_wrong_hash_is_a_clear_error(tmp_path):
     path = tmp_path / "tinyshakespeare.txt"
     path.write_text("not Shakespeare\n")
-    with pytest.raises(iu.DataError, match="not the canonical tiny Shakespeare") as e:
-        iu.load_data(path)
+    with pytest.raises(DataError, match="not the canonical tiny Shakespeare") as e:
+        corpus.load_data(path)
     assert "--data" in str(e.value) and "GPTLITE_DATA" in str(e.value)
 
 
 def test_missing_explicit_path_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTLITE_DATA", str(tmp_path / "nowhere.txt"))
-    with pytest.raises(iu.DataError, match="GPTLITE_DATA points at"):
-        iu.load_data()
-    with pytest.raises(iu.DataError, match="--data points at"):
-        iu.load_data(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match="GPTLITE_DATA points at"):
+        corpus.load_data()
+    with pytest.raises(DataError, match="--data points at"):
+        corpus.load_data(tmp_path / "missing.txt")
 
 
 def test_missing_data_offline_names_the_three_ways(tmp_path, monkeypatch):
     monkeypatch.delenv("GPTLITE_DATA", raising=False)
     default = tmp_path / "data" / "tinyshakespeare.txt"
-    monkeypatch.setattr(iu, "DEFAULT_DATA", default)
+    monkeypatch.setattr(corpus, "DEFAULT_DATA", default)
 
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(iu.urllib.request, "urlopen", offline)
-    with pytest.raises(iu.DataError, match="download failed") as e:
-        iu.load_data()
+    monkeypatch.setattr(corpus.urllib.request, "urlopen", offline)
+    with pytest.raises(DataError, match="download failed") as e:
+        corpus.load_data()
     assert all(way in str(e.value) for way in ("--data", "GPTLITE_DATA", str(default)))
     assert not default.exists() and not list(default.parent.glob("*"))  # no partial file left behind
 
@@ -80,7 +82,7 @@ def test_missing_data_offline_names_the_three_ways(tmp_path, monkeypatch):
 def test_a_download_with_the_wrong_hash_leaves_no_file(tmp_path, monkeypatch):
     monkeypatch.delenv("GPTLITE_DATA", raising=False)
     default = tmp_path / "data" / "tinyshakespeare.txt"
-    monkeypatch.setattr(iu, "DEFAULT_DATA", default)
+    monkeypatch.setattr(corpus, "DEFAULT_DATA", default)
 
     class Response(io.BytesIO):
         def __enter__(self):
@@ -89,17 +91,17 @@ def test_a_download_with_the_wrong_hash_leaves_no_file(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(iu.urllib.request, "urlopen", lambda *a, **k: Response(b"an error page"))
-    with pytest.raises(iu.DataError, match="downloaded file is not the canonical"):
-        iu.load_data()
+    monkeypatch.setattr(corpus.urllib.request, "urlopen", lambda *a, **k: Response(b"an error page"))
+    with pytest.raises(DataError, match="downloaded file is not the canonical"):
+        corpus.load_data()
     assert not default.exists()
 
 
 def test_a_data_path_that_is_not_a_file_is_a_clear_error(tmp_path):
     (tmp_path / "a_file").write_text("x")
     for path in (tmp_path, tmp_path / "a_file" / "below_a_file.txt"):  # a folder; a parent that is a file
-        with pytest.raises(iu.DataError, match="--data points at .*which is not a file"):
-            iu.load_data(path)
+        with pytest.raises(DataError, match="--data points at .*which is not a file"):
+            corpus.load_data(path)
 
 
 def test_an_unreadable_data_file_is_a_clear_error(tmp_path, monkeypatch):
@@ -109,16 +111,16 @@ def test_an_unreadable_data_file_is_a_clear_error(tmp_path, monkeypatch):
     def denied(self):  # chmod cannot provoke it when the tests run as root
         raise PermissionError(13, "Permission denied", str(self))
 
-    monkeypatch.setattr(iu.Path, "read_bytes", denied)
-    with pytest.raises(iu.DataError, match="cannot read .*Permission denied.*GPTLITE_DATA"):
-        iu.load_data(path)
+    monkeypatch.setattr(corpus.Path, "read_bytes", denied)
+    with pytest.raises(DataError, match="cannot read .*Permission denied.*GPTLITE_DATA"):
+        corpus.load_data(path)
 
 
 def test_a_data_file_that_is_not_utf8_fails_the_hash_check(tmp_path):
     path = tmp_path / "tinyshakespeare.txt"
     path.write_bytes(b"\xff\xfe not UTF-8 \x80")
-    with pytest.raises(iu.DataError, match="not the canonical tiny Shakespeare"):
-        iu.load_data(path)
+    with pytest.raises(DataError, match="not the canonical tiny Shakespeare"):
+        corpus.load_data(path)
 
 
 @pytest.mark.parametrize("in_the_way", ["folder", "file above"])
@@ -130,9 +132,9 @@ def test_a_download_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatc
     else:  # data is a file: the folder cannot be made
         (tmp_path / "data").write_text("x")
         default = tmp_path / "data" / "tinyshakespeare.txt"
-    monkeypatch.setattr(iu, "DEFAULT_DATA", default)
+    monkeypatch.setattr(corpus, "DEFAULT_DATA", default)
     fake = b"a canonical file, for this test"
-    monkeypatch.setattr(iu, "DATA_SHA256", hashlib.sha256(fake).hexdigest())
+    monkeypatch.setattr(corpus, "DATA_SHA256", hashlib.sha256(fake).hexdigest())
 
     class Response(io.BytesIO):
         def __enter__(self):
@@ -141,16 +143,16 @@ def test_a_download_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatc
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(iu.urllib.request, "urlopen", lambda *a, **k: Response(fake))
-    with pytest.raises(iu.DataError, match="cannot write it to"):
-        iu.load_data()
+    monkeypatch.setattr(corpus.urllib.request, "urlopen", lambda *a, **k: Response(fake))
+    with pytest.raises(DataError, match="cannot write it to"):
+        corpus.load_data()
 
 
 def test_sample_prompts_are_fixed_by_the_seed(real_data):
-    a = iu.sample_prompts(real_data, 3, 20, seed=7)
+    a = corpus.sample_prompts(real_data, 3, 20, seed=7)
     assert a.shape == (3, 20) and a.dtype == torch.long
-    assert torch.equal(a, iu.sample_prompts(real_data, 3, 20, seed=7))
-    assert not torch.equal(a, iu.sample_prompts(real_data, 3, 20, seed=8))
+    assert torch.equal(a, corpus.sample_prompts(real_data, 3, 20, seed=7))
+    assert not torch.equal(a, corpus.sample_prompts(real_data, 3, 20, seed=8))
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def test_checkpoint_of_another_config_is_a_clear_error(tmp_path):
     data = synthetic_data()
     path = tmp_path / "tiny.pt"
     iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
-    with pytest.raises(iu.CheckpointError, match="another configuration.*n_layers"):
+    with pytest.raises(CheckpointError, match="another configuration.*n_layers"):
         iu.load_model(GPTlite, tiny_preset_for(data, n_layers=3), data=data, path=path)
 
 
@@ -183,20 +185,20 @@ def test_checkpoint_of_another_vocabulary_is_a_clear_error(tmp_path):
     path = tmp_path / "tiny.pt"
     iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
     other = synthetic_data("to be or not to be, that is the zuestion\n" * 50)  # same size, another letter
-    with pytest.raises(iu.CheckpointError, match="another vocabulary"):
+    with pytest.raises(CheckpointError, match="another vocabulary"):
         iu.load_model(GPTlite, tiny_preset_for(other), data=other, path=path)
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     path = tmp_path / "tiny.pt"
     path.write_bytes(b"\x80\x02 half a checkpoint")
-    with pytest.raises(iu.CheckpointError, match="not a readable checkpoint"):
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
         iu.load_model(GPTlite, TINY_PRESET, data=synthetic_data(), path=path)
 
 
 def restamped(ckpt):
     """The checkpoint with a checksum of its (edited) contents, as save_checkpoint would write it."""
-    ckpt["sha256"] = iu.checkpoint_sha256(ckpt["config"], ckpt["vocab"], ckpt["state_dict"])
+    ckpt["sha256"] = files.checkpoint_sha256(ckpt["config"], ckpt["vocab"], ckpt["state_dict"])
     return ckpt
 
 
@@ -240,7 +242,7 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, damage, message):
     path = tmp_path / "tiny.pt"
     iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
     torch.save(damage(torch.load(path, weights_only=True)), path)
-    with pytest.raises(iu.CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=message):
         iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
 
 
@@ -263,18 +265,18 @@ def test_one_flipped_byte_inside_a_tensor_is_a_clear_error(tmp_path):
     flip_a_byte_of_the_first_tensor(path)
     after = torch.load(path, weights_only=True)["state_dict"]  # torch itself loads it silently
     assert sum(not torch.equal(before[k], after[k]) for k in before) == 1
-    with pytest.raises(iu.CheckpointError, match="damaged.*checksum.*rebuild it with: python gptlite.py --preset tiny"):
+    with pytest.raises(CheckpointError, match="damaged.*checksum.*rebuild it with: python gptlite.py --preset tiny"):
         iu.load_model(GPTlite, tiny_preset_for(data), data=data, path=path)
 
 
 def test_the_checksum_covers_names_dtypes_shapes_and_bytes():
     state = {"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.int64)}
-    digest = iu.checkpoint_sha256({"d": 1}, "ab", state)
-    assert digest == iu.checkpoint_sha256({"d": 1}, "ab", dict(reversed(state.items())))  # order of the dict
+    digest = files.checkpoint_sha256({"d": 1}, "ab", state)
+    assert digest == files.checkpoint_sha256({"d": 1}, "ab", dict(reversed(state.items())))  # order of the dict
     for changed in ({"a": torch.zeros(3, 2), "b": state["b"]}, {"a": torch.zeros(2, 3, dtype=torch.float64),
                     "b": state["b"]}, {"c": state["a"], "b": state["b"]}, {"a": state["a"], "b": state["b"] + 1}):
-        assert iu.checkpoint_sha256({"d": 1}, "ab", changed) != digest
-    assert iu.checkpoint_sha256({"d": 2}, "ab", state) != digest != iu.checkpoint_sha256({"d": 1}, "ac", state)
+        assert files.checkpoint_sha256({"d": 1}, "ab", changed) != digest
+    assert files.checkpoint_sha256({"d": 2}, "ab", state) != digest != files.checkpoint_sha256({"d": 1}, "ac", state)
 
 
 def test_the_rebuild_command_is_saved_and_named_in_the_errors(tmp_path):
@@ -282,30 +284,30 @@ def test_the_rebuild_command_is_saved_and_named_in_the_errors(tmp_path):
     model = GPTlite(**tiny_preset_for(data).model_config())
     path = tmp_path / "cpu_gqa.pt"
     command = "python main_gqa.py --preset cpu"
-    iu.save_checkpoint(path, model, tiny_preset_for(data).model_config(), data.vocab, rebuild=command, steps=1)
-    assert iu.load_checkpoint(path)["meta"] == {"steps": 1, "rebuild": command}
+    files.save_checkpoint(path, model, tiny_preset_for(data).model_config(), data.vocab, rebuild=command, steps=1)
+    assert files.load_checkpoint(path)["meta"] == {"steps": 1, "rebuild": command}
     torch.save(an_edited_weight(torch.load(path, weights_only=True)), path)
-    with pytest.raises(iu.CheckpointError, match=f"rebuild it with: {command}$"):  # read from the file
-        iu.load_checkpoint(path)
-    with pytest.raises(iu.CheckpointError, match="rebuild it with: python other.py$"):  # the caller's wins
-        iu.load_checkpoint(path, rebuild="python other.py")
+    with pytest.raises(CheckpointError, match=f"rebuild it with: {command}$"):  # read from the file
+        files.load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="rebuild it with: python other.py$"):  # the caller's wins
+        files.load_checkpoint(path, rebuild="python other.py")
     path.write_bytes(b"not a checkpoint")  # unreadable: only the caller can say
-    with pytest.raises(iu.CheckpointError, match=f"(?s)not a readable checkpoint.*rebuild it with: {command}$"):
-        iu.load_checkpoint(path, rebuild=command)
-    with pytest.raises(iu.CheckpointError, match="rebuild it with the script that saved it$"):
-        iu.load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=f"(?s)not a readable checkpoint.*rebuild it with: {command}$"):
+        files.load_checkpoint(path, rebuild=command)
+    with pytest.raises(CheckpointError, match="rebuild it with the script that saved it$"):
+        files.load_checkpoint(path)
     (tmp_path / "cpu.pt").write_bytes(b"not a checkpoint")  # a preset's checkpoint: gptlite.py rebuilds it
-    with pytest.raises(iu.CheckpointError, match="rebuild it with: python gptlite.py --preset cpu$"):
-        iu.load_checkpoint(tmp_path / "cpu.pt")
-    with pytest.raises(iu.CheckpointError, match=f"no checkpoint at .*run: {command}$"):
+    with pytest.raises(CheckpointError, match="rebuild it with: python gptlite.py --preset cpu$"):
+        files.load_checkpoint(tmp_path / "cpu.pt")
+    with pytest.raises(CheckpointError, match=f"no checkpoint at .*run: {command}$"):
         iu.load_model(GPTlite, "cpu", path=tmp_path / "missing.pt", rebuild=command)
 
 
 def test_train_checkpoint_saves_the_command_that_rebuilds_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(iu, "CHECKPOINT_DIR", tmp_path)
+    monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path)
     data = synthetic_data()
     iu.train_checkpoint(tiny_preset_for(data), data, "cpu", iters=2, seed=3)
-    meta = iu.load_checkpoint(tmp_path / "tiny.pt")["meta"]
+    meta = files.load_checkpoint(tmp_path / "tiny.pt")["meta"]
     assert meta["rebuild"] == "python gptlite.py --preset tiny --iters 2 --seed 3"
 
 
@@ -318,23 +320,23 @@ def test_a_failed_save_leaves_no_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(iu.torch, "save", killed)
     with pytest.raises(KeyboardInterrupt):
-        iu.atomic_torch_save({"x": 1}, path)
+        files.atomic_torch_save({"x": 1}, path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_an_existing_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    iu.atomic_torch_save({"x": torch.ones(2)}, path)
+    files.atomic_torch_save({"x": torch.ones(2)}, path)
     monkeypatch.setattr(iu.torch, "save", lambda obj, f: (open(f, "wb").write(b"half"), 1 / 0))
     with pytest.raises(ZeroDivisionError):
-        iu.atomic_torch_save({"x": torch.zeros(2)}, path)
+        files.atomic_torch_save({"x": torch.zeros(2)}, path)
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
 
 
 KILLED_MID_WRITE = """
 import os, signal, sys
-import inference_utils as iu
-with iu.atomic_file(sys.argv[1]) as tmp:
+from lib import files
+with files.atomic_file(sys.argv[1]) as tmp:
     tmp.write_bytes(b"half a checkpoint")
     os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -343,14 +345,14 @@ with iu.atomic_file(sys.argv[1]) as tmp:
 @pytest.mark.skipif(os.name != "posix", reason="stale temp files are recognised by pid on POSIX only")
 def test_the_temp_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
     path = tmp_path / "ckpt.pt"
-    killed = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(path)], cwd=iu.ROOT)
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(path)], cwd=files.ROOT)
     assert killed.wait() == -signal.SIGKILL
     assert [p.name for p in tmp_path.iterdir()] == [f"ckpt.pt.tmp{killed.pid}"]  # left behind
     alive = tmp_path / f"ckpt.pt.tmp{os.getppid()}"  # a live process may be writing the same path: kept
     others = [tmp_path / f"other.pt.tmp{killed.pid}", tmp_path / "ckpt.pt.tmpx"]  # not stale temps of ckpt.pt
     for p in [alive, *others]:
         p.write_bytes(b"x")
-    iu.atomic_write_bytes(b"whole", path)
+    files.atomic_write_bytes(b"whole", path)
     assert path.read_bytes() == b"whole"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in [path, alive, *others])
 
@@ -368,37 +370,37 @@ def test_validation_loss_is_the_same_for_every_model_class(real_data):
     base = GPTlite(**TINY).eval()
     cached = GPTlite_KVCache(**TINY).eval()
     cached.load_state_dict(base.state_dict())
-    loss = iu.validation_loss(base, real_data, n_batches=3, batch_size=4)
-    assert loss == iu.validation_loss(base, real_data, n_batches=3, batch_size=4)
-    assert loss == pytest.approx(iu.validation_loss(cached, real_data, n_batches=3, batch_size=4), abs=1e-6)
+    loss = training.validation_loss(base, real_data, n_batches=3, batch_size=4)
+    assert loss == training.validation_loss(base, real_data, n_batches=3, batch_size=4)
+    assert loss == pytest.approx(training.validation_loss(cached, real_data, n_batches=3, batch_size=4), abs=1e-6)
 
 
 def test_a_short_training_run_lowers_the_validation_loss(real_data):
     torch.manual_seed(0)
     model = GPTlite(**TINY)
-    before = iu.validation_loss(model, real_data, n_batches=5, batch_size=16)
-    history = iu.train_steps(model, real_data, 60, batch_size=16, seqlen=TINY["seqlen"], lr=3e-3, eval_interval=30)
+    before = training.validation_loss(model, real_data, n_batches=5, batch_size=16)
+    history = training.train_steps(model, real_data, 60, batch_size=16, seqlen=TINY["seqlen"], lr=3e-3, eval_interval=30)
     assert [h["step"] for h in history] == [30, 60]
-    after = iu.validation_loss(model, real_data, n_batches=5, batch_size=16)
+    after = training.validation_loss(model, real_data, n_batches=5, batch_size=16)
     assert after < before - 0.5, (before, after)
     assert not model.training
 
 
 def an_infinite_loss(model, x, y):
-    return iu.cross_entropy_loss(model, x, y) * math.inf
+    return training.cross_entropy_loss(model, x, y) * math.inf
 
 
 @pytest.mark.parametrize("n_steps, lr, loss_fn, message", [
     (3, 1e-3, an_infinite_loss, "training loss is inf at step 1 of 3"),
-    (20, 1e30, iu.cross_entropy_loss, r"training loss is (nan|inf) at step \d+ of 20"),
-    (1, 1e30, iu.cross_entropy_loss, "validation loss is (nan|inf) at step 1 of 1"),  # the last update diverges
+    (20, 1e30, training.cross_entropy_loss, r"training loss is (nan|inf) at step \d+ of 20"),
+    (1, 1e30, training.cross_entropy_loss, "validation loss is (nan|inf) at step 1 of 1"),  # the last update diverges
 ])
 def test_a_diverging_run_stops_with_a_clear_error(n_steps, lr, loss_fn, message):
     data = synthetic_data()
     torch.manual_seed(0)
     model = GPTlite(**tiny_preset_for(data).model_config())
-    with pytest.raises(iu.TrainingDiverged, match=message + r".*lower learning rate"):
-        iu.train_steps(model, data, n_steps, batch_size=4, seqlen=16, lr=lr, loss_fn=loss_fn)
+    with pytest.raises(TrainingDiverged, match=message + r".*lower learning rate"):
+        training.train_steps(model, data, n_steps, batch_size=4, seqlen=16, lr=lr, loss_fn=loss_fn)
 
 
 def test_a_diverged_training_leaves_the_existing_checkpoint_untouched(tmp_path):
@@ -406,7 +408,7 @@ def test_a_diverged_training_leaves_the_existing_checkpoint_untouched(tmp_path):
     path = tmp_path / "tiny.pt"
     iu.train_checkpoint(tiny_preset_for(data), data, "cpu", path=path)
     saved = path.read_bytes()
-    with pytest.raises(iu.TrainingDiverged):
+    with pytest.raises(TrainingDiverged):
         iu.train_checkpoint(tiny_preset_for(data, lr=1e30, iters=20), data, "cpu", path=path)
     assert path.read_bytes() == saved and [p.name for p in tmp_path.iterdir()] == ["tiny.pt"]
 
@@ -459,20 +461,20 @@ def test_model_size_mb(tiny_models):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_asking_for_cuda_without_it_is_a_clear_error():
-    with pytest.raises(iu.GPTliteError, match="does not have"):
-        iu.get_device("cuda")
+    with pytest.raises(GPTliteError, match="does not have"):
+        harness.get_device("cuda")
 
 
 def test_a_device_that_is_not_one_is_a_clear_error():
-    with pytest.raises(iu.GPTliteError, match="not a device"):
-        iu.get_device("foo")
-    with pytest.raises(iu.GPTliteError, match="only cpu and cuda"):
-        iu.get_device("meta")
+    with pytest.raises(GPTliteError, match="not a device"):
+        harness.get_device("foo")
+    with pytest.raises(GPTliteError, match="only cpu and cuda"):
+        harness.get_device("meta")
 
 
 def test_table_marks_missing_figures_and_untrained_losses():
-    rows = [iu.make_row("a", ttft_ms=1.234, val_loss=4.2), iu.make_row("b", tpot_ms=0.5)]
-    text = iu.format_table(rows, untrained=True)
+    rows = [harness.make_row("a", ttft_ms=1.234, val_loss=4.2), harness.make_row("b", tpot_ms=0.5)]
+    text = harness.format_table(rows, untrained=True)
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["variant", "TTFT", "ms"]
     assert "1.23" in lines[2] and "4.2000*" in lines[2] and " - " in lines[3]
@@ -481,7 +483,7 @@ def test_table_marks_missing_figures_and_untrained_losses():
 
 def test_json_has_the_common_schema(tmp_path):
     path = tmp_path / "r.json"
-    iu.save_json(path, "main_x.py", TINY_PRESET, "cpu", [iu.make_row("a", ttft_ms=1.0)])
+    harness.save_json(path, "main_x.py", TINY_PRESET, "cpu", [harness.make_row("a", ttft_ms=1.0)])
     result = json.loads(path.read_text())
     assert {"script", "preset", "device", "rows"} <= set(result)
     assert set(result["rows"][0]) >= {"variant", "ttft_ms", "tpot_ms", "tokens_per_s", "peak_mem_mb",
@@ -490,9 +492,9 @@ def test_json_has_the_common_schema(tmp_path):
 
 
 def test_extra_columns_share_one_format_and_non_finite_numbers_print():
-    rows = [iu.make_row("a", ttft_ms=1.0, util=0.94, n=3, ratio=float("inf")),
-            iu.make_row("b", ttft_ms=2.0, util=0.938, n=4, ratio=1.5, same="yes")]
-    lines = iu.format_table(rows).splitlines()
+    rows = [harness.make_row("a", ttft_ms=1.0, util=0.94, n=3, ratio=float("inf")),
+            harness.make_row("b", ttft_ms=2.0, util=0.938, n=4, ratio=1.5, same="yes")]
+    lines = harness.format_table(rows).splitlines()
     assert lines[0].split() == ["variant", "TTFT", "ms", "util", "n", "ratio", "same"]  # unused standard columns left out
     assert lines[2].split() == ["a", "1.00", "0.940", "3", "inf", "-"]
     assert lines[3].split() == ["b", "2.00", "0.938", "4", "1.5", "yes"]
@@ -500,8 +502,8 @@ def test_extra_columns_share_one_format_and_non_finite_numbers_print():
 
 def test_json_never_writes_nan_or_infinity(tmp_path):
     path = tmp_path / "r.json"
-    rows = [iu.make_row("a", val_loss=math.nan, tpot_ms=math.inf), iu.make_row("b", tpot_ms=1.5)]
-    iu.save_json(path, "main_x.py", TINY_PRESET, "cpu", rows, curve=[1.0, -math.inf, {"x": math.nan}])
+    rows = [harness.make_row("a", val_loss=math.nan, tpot_ms=math.inf), harness.make_row("b", tpot_ms=1.5)]
+    harness.save_json(path, "main_x.py", TINY_PRESET, "cpu", rows, curve=[1.0, -math.inf, {"x": math.nan}])
 
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
@@ -536,6 +538,6 @@ def test_compare_generation_reports_tpot_from_the_medians_and_none_inside_the_no
 
 
 def test_require_checks_names_every_failed_check():
-    iu.require_checks({"same tokens": True, "same logits": True})
-    with pytest.raises(iu.GPTliteError, match=r"checks failed: same logits; cache; this is a bug"):
-        iu.require_checks({"same tokens": True, "same logits": False, "cache": False})
+    harness.require_checks({"same tokens": True, "same logits": True})
+    with pytest.raises(GPTliteError, match=r"checks failed: same logits; cache; this is a bug"):
+        harness.require_checks({"same tokens": True, "same logits": False, "cache": False})

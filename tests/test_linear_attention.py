@@ -14,6 +14,8 @@ import main_linear_attention as mla
 from conftest import TINY
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import RULES, GPTlite_Linear, LinearAttention, chunked, recurrent, recurrent_step
+from lib.errors import CheckpointError
+from lib import training
 
 ATOL = 1e-5  # float32, unit-scale inputs
 B, H, D = 2, 3, 8
@@ -123,7 +125,7 @@ def test_model_decoding_with_state_equals_full_pass(rule, hybrid_every, chunk_si
         steps.append(logits)
     torch.testing.assert_close(recurrent_form, full, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-5)
-    assert iu.cached_matches_full(model, x)
+    assert training.cached_matches_full(model, x)
 
 
 @torch.inference_mode()
@@ -172,7 +174,7 @@ def test_model_trains():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for _ in range(5):
-            loss = iu.cross_entropy_loss(model, x[:, :-1], x[:, 1:])
+            loss = training.cross_entropy_loss(model, x[:, :-1], x[:, 1:])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -239,7 +241,7 @@ def test_recall_accuracy_of_a_perfect_and_a_blind_model():
     assert mla.recall_accuracy(Blind(), 4, 16, 8) == 0.0
 
 
-def test_load_or_train_saves_then_reuses(tmp_path):
+def test_cached_model_saves_then_reuses(tmp_path):
     config = dict(TINY, rule="gated", hybrid_every=None)
     path = tmp_path / "tiny_linear.pt"
     trained = []
@@ -248,12 +250,12 @@ def test_load_or_train_saves_then_reuses(tmp_path):
         trained.append(True)
         with torch.no_grad():
             model.fc_out.bias.fill_(0.25)
-    model, seconds = mla.load_or_train(GPTlite_Linear, config, path, train, False, 0, "vocab", "python rebuild")
-    again, seconds_again = mla.load_or_train(GPTlite_Linear, config, path, train, False, 0, "vocab", "python rebuild")
+    model, seconds = iu.cached_model(GPTlite_Linear(**config), config, path, train, "vocab", "python rebuild")
+    again, seconds_again = iu.cached_model(GPTlite_Linear(**config), config, path, train, "vocab", "python rebuild")
     assert trained == [True] and seconds is not None and seconds_again is None
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
-    with pytest.raises(iu.CheckpointError, match="another configuration"):
-        mla.load_or_train(GPTlite_Linear, dict(config, rule="delta"), path, train, False, 0, "vocab", "x")
+    with pytest.raises(CheckpointError, match="another configuration"):
+        iu.cached_model(GPTlite_Linear(**dict(config, rule="delta")), dict(config, rule="delta"), path, train, "vocab", "x")
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -7,6 +7,7 @@ import torch
 
 import inference_utils as iu
 from conftest import TINY
+from lib import corpus, training
 
 SEQLEN = TINY["seqlen"]  # 16
 ATOL = 1e-5  # float32 logits of the tiny model, summed in another order
@@ -22,7 +23,7 @@ def one_token_at_a_time(model, prompt, n_tokens):
     the tests stay within seqlen). prompt: 1-D. Returns the prompt followed by the new tokens, 1-D."""
     sequence = prompt
     for _ in range(n_tokens):
-        logits = iu.logits_of(model(sequence[None]))[0, -1]  # [vocab]
+        logits = training.logits_of(model(sequence[None]))[0, -1]  # [vocab]
         sequence = torch.cat([sequence, logits.argmax()[None]])
     return sequence
 
@@ -208,7 +209,7 @@ def test_compute_importance_and_prune_as_the_post_calls_them(tiny_models):
     from main_pruning import compute_importance, prune, prune_linear
     model, _ = tiny_models
     vocab = "".join(chr(32 + i) for i in range(TINY["vocab_size"]))
-    data = iu.Data(vocab=vocab, train=tokens(2000, seed=15), val=tokens(500, seed=16))
+    data = corpus.Data(vocab=vocab, train=tokens(2000, seed=15), val=tokens(500, seed=16))
     heads, neurons = compute_importance(model, data, 2, 4, SEQLEN)
     n_layers, d_ff = TINY["n_layers"], 4 * TINY["d_model"]
     assert isinstance(heads, list) and isinstance(neurons, list) and len(heads) == len(neurons) == n_layers

@@ -5,6 +5,7 @@ import pytest
 
 import inference_utils as iu
 import main_kvcache
+from lib import harness, presets
 
 
 def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, capsys):
@@ -19,7 +20,7 @@ def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, c
         (v, b) for b in (1, 2) for v in ("no cache", "dynamic KV cache", "static KV cache")]
     assert all(r["same_in_window"] == "yes" for r in result["rows"])
     assert result["tokens_in_window"] == 128 - 64 + 1
-    p = iu.PRESETS["cpu"]
+    p = presets.PRESETS["cpu"]
     for batch_size in (1, 2):
         rows = {r["variant"]: r for r in result["rows"] if r["batch_size"] == batch_size}
         full = batch_size * p.n_layers * 2 * p.n_heads * p.seqlen * p.d_head * 4 / 2**20  # float32
@@ -40,7 +41,7 @@ def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, c
                                    ["--bogus"], ["--preset", "huge"], ["--json", "/no/such/folder/r.json"],
                                    ["--json", "."], ["--device", "foo"], ["--device", "tpu"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_kvcache.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
@@ -49,5 +50,5 @@ def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
 
 def test_a_missing_data_file_ends_the_script_with_one_clear_line(tmp_path):
     with pytest.raises(SystemExit) as e:
-        iu.run(lambda: main_kvcache.main(["--untrained", "--device", "cpu", "--data", str(tmp_path / "no.txt")]))
+        harness.run(lambda: main_kvcache.main(["--untrained", "--device", "cpu", "--data", str(tmp_path / "no.txt")]))
     assert str(e.value.code).startswith("error: --data points at")

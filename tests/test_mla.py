@@ -12,6 +12,8 @@ from gptlite_kvcache import StaticKVCache, generate_kvcache
 from gptlite_mla import GPTlite_MLA, convert_mha_to_mla, max_latent
 from test_gqa import (diverging_loss, greedy_without_cache, one_batch_validation, positive_or_none,  # noqa: F401
                       prefill_then_steps, random_tokens)
+from lib.errors import GPTliteError
+from lib import harness, presets
 
 ATOL = 1e-5  # float32, the same weights computed two ways
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion (an SVD in float64, cast back) against MHA
@@ -138,7 +140,7 @@ def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, o
     assert any("MLA-32 absorbed = recomputed" in name for name in result["checks"])
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["MHA", "MLA-64 absorbed", "MLA-64 recomputed", "MLA-32 absorbed", "MLA-32 recomputed"]
-    p = iu.PRESETS["cpu"]
+    p = presets.PRESETS["cpu"]
     assert rows["MHA"]["cache_per_token"] == 2 * p.n_heads * p.d_head == 256
     assert rows["MLA-64 absorbed"]["cache_per_token"] == 64 and rows["MLA-32 recomputed"]["kv_vs_mha"] == 0.125
     for r in rows.values():
@@ -150,7 +152,7 @@ def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, o
 
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one_batch_validation, diverging_loss):
-    with pytest.raises(iu.GPTliteError):
+    with pytest.raises(GPTliteError):
         main_mla.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                        "--n-tokens", "2", "--repeats", "1", "--latents", "32", "--json", str(tmp_path / "mla.json"),
                        "--plot", str(tmp_path / "mla.png")])
@@ -161,7 +163,7 @@ def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one
                                    ["--uptrain-steps", "0"], ["--n-tokens", "1"], ["--lr", "inf"], ["--lr", "-1"],
                                    ["--prompt-len", "129"], ["--plot", "m.txt"], ["--bogus"]])
 def test_main_mla_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_mla.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2

@@ -11,8 +11,9 @@ import inference_utils as iu
 import main_moba
 from conftest import TINY
 from gptlite import GPTlite
-from moba import (GPTlite_MoBA, attention_cost, check_moba_args, keys_read, moba_attention, moba_flex_attention,
+from lib.moba import (GPTlite_MoBA, attention_cost, check_moba_args, keys_read, moba_attention, moba_flex_attention,
                   moba_mask, select_blocks)
+from lib import files, harness, presets, training
 
 ATOL = 1e-6  # float32 attention outputs on random unit inputs
 
@@ -134,7 +135,7 @@ def test_the_script_checks_pass_with_flex_attention_and_catch_a_flex_that_ignore
 def test_gptlite_moba_trains_through_the_mask():
     model = main_moba.moba_from(random_gptlite(), TINY, 4, 2).train()
     x = torch.randint(TINY["vocab_size"], (2, TINY["seqlen"]))
-    iu.cross_entropy_loss(model, x, x).backward()
+    training.cross_entropy_loss(model, x, x).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
@@ -151,11 +152,11 @@ def test_bad_moba_settings_are_clear_errors(block_size, top_k, message):
 
 
 def test_uptrained_models_are_saved_and_reused_only_with_the_same_budget(real_data, tmp_path, monkeypatch):
-    preset = iu.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=2, lr=1e-3,
+    preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=2, lr=1e-3,
                        iters=20)
     calls = []
-    train_steps = iu.train_steps
-    monkeypatch.setattr(iu, "train_steps", lambda *a, **kw: calls.append(1) or train_steps(*a, **kw))
+    train_steps = training.train_steps
+    monkeypatch.setattr(training, "train_steps", lambda *a, **kw: calls.append(1) or train_steps(*a, **kw))
     path, meta = tmp_path / "m.pt", dict(base_sha256="abc", uptrain_steps=1, lr=1e-3, seed=0)
 
     def run(meta):
@@ -166,20 +167,20 @@ def test_uptrained_models_are_saved_and_reused_only_with_the_same_budget(real_da
     assert torch.equal(run(meta).fc_out.weight, first.fc_out.weight) and len(calls) == 1  # reused
     run({**meta, "base_sha256": "other"})
     assert len(calls) == 2  # another base checkpoint: uptrained again
-    assert iu.load_checkpoint(path)["meta"]["base_sha256"] == "other"
+    assert files.load_checkpoint(path)["meta"]["stamp"]["base_sha256"] == "other"
 
 
 @pytest.fixture
 def one_batch_validation(monkeypatch):
     """Validation on one batch instead of 20 (10 inside train_steps): the script's logic, not its precision."""
-    validation_loss = iu.validation_loss
-    monkeypatch.setattr(iu, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
+    validation_loss = training.validation_loss
+    monkeypatch.setattr(training, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
         model, data, n_batches=1, **kw))
 
 
 def test_main_moba_runs_checks_and_writes_json_and_plot(real_data, tmp_path, capsys, monkeypatch,
                                                         one_batch_validation):
-    monkeypatch.setattr(iu, "CHECKPOINT_DIR", tmp_path / "checkpoints")  # --untrained saves no checkpoint
+    monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path / "checkpoints")  # --untrained saves no checkpoint
     out_json, out_png = tmp_path / "moba.json", tmp_path / "moba.png"
     main_moba.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--top-k", "2", "1",
                     "--no-flex", "--json", str(out_json), "--plot", str(out_png)])
@@ -206,7 +207,7 @@ def test_main_moba_runs_checks_and_writes_json_and_plot(real_data, tmp_path, cap
                                    ["--uptrain-steps", "0"], ["--lr", "0"], ["--val-batches", "0"],
                                    ["--plot", "m.txt"], ["--bogus"]])
 def test_main_moba_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_moba.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2

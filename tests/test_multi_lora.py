@@ -13,6 +13,8 @@ import inference_utils as iu
 import main_multi_lora
 from conftest import TINY
 from gptlite import GPTlite
+from lib.errors import GPTliteError
+from lib import files, presets, training
 
 SEQLEN = TINY["seqlen"]
 TARGETS = ("query_proj", "value_proj", "ffwd.net.0")  # attention and MLP: both kinds of target
@@ -31,7 +33,7 @@ def one_token_at_a_time(model, prompt, n_tokens):
     """Greedy decoding by the full forward pass of the whole sequence at every step (no cache). prompt: 1-D."""
     sequence = prompt
     for _ in range(n_tokens):
-        sequence = torch.cat([sequence, iu.logits_of(model(sequence[None]))[0, -1].argmax()[None]])
+        sequence = torch.cat([sequence, training.logits_of(model(sequence[None]))[0, -1].argmax()[None]])
     return sequence
 
 
@@ -135,9 +137,9 @@ def test_speaker_data_splits_the_speakers_turns(real_data):
     val_text = real_data.decode(real_data.val.tolist())  # the split the base model never trained on
     assert all(turn in val_text for turn in text.split("\n\n"))
     assert "PETRUCHIO:\nAnd you, good sir!" in text and "GREMIO:" not in text
-    with pytest.raises(iu.GPTliteError, match="no speaker 'ROMEO' in tiny Shakespeare's validation split.*PETRUCHIO"):
+    with pytest.raises(GPTliteError, match="no speaker 'ROMEO' in tiny Shakespeare's validation split.*PETRUCHIO"):
         gl.speaker_data(real_data, "ROMEO", 128)  # his lines are all in the training split
-    with pytest.raises(iu.GPTliteError, match="'PETER' has 49 characters in the validation split, too few"):
+    with pytest.raises(GPTliteError, match="'PETER' has 49 characters in the validation split, too few"):
         gl.speaker_data(real_data, "PETER", 128)
 
 
@@ -194,7 +196,7 @@ def test_script_flags_are_checked_before_any_work(flags, match, capsys):
 
 def test_unknown_speaker_fails_before_training(real_data, monkeypatch):
     monkeypatch.setattr(main_multi_lora, "load_or_train", lambda *a: pytest.fail("trained despite a bad speaker"))
-    with pytest.raises(iu.GPTliteError, match="no speaker 'Romeo'"):
+    with pytest.raises(GPTliteError, match="no speaker 'Romeo'"):
         main_multi_lora.main(["--device", "cpu", "--untrained", "--speakers", "Romeo"])
 
 
@@ -203,21 +205,21 @@ def test_unknown_speaker_fails_before_training(real_data, monkeypatch):
 
 def test_adapters_are_saved_with_a_checksum_and_reused(tiny_models, monkeypatch, tmp_path, real_data):
     base, _ = tiny_models
-    monkeypatch.setattr(iu, "CHECKPOINT_DIR", tmp_path)
-    preset = iu.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=4, lr=1e-3, iters=1)
+    monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path)
+    preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=4, lr=1e-3, iters=1)
     slice_data = gl.speaker_data(real_data, "TRANIO", SEQLEN)
     args = argparse.Namespace(rank=2, alpha=4.0, targets=["query_proj", "value_proj"], lora_steps=3,
                               lora_batch_size=2, lr=1e-2, seed=0, untrained=False)
     adapter, info = main_multi_lora.load_or_train(base, real_data, slice_data, args, preset, "TRANIO", [])
     assert info["source"].startswith("trained") and info["peft_diff"] <= 1e-4
     path = tmp_path / "tiny_lora_tranio_r2_qv.pt"
-    assert path.exists() and iu.load_checkpoint(path)["config"]["steps"] == 3
+    assert path.exists() and files.load_checkpoint(path)["meta"]["stamp"]["steps"] == 3
     again, info = main_multi_lora.load_or_train(base, real_data, slice_data, args, preset, "TRANIO", [])
     assert info["source"] == "loaded tiny_lora_tranio_r2_qv.pt"
     assert all(torch.equal(a, b) for a, b in zip(adapter.state_dict().values(), again.state_dict().values()))
     args.lora_steps = 4  # other settings: a new adapter, not the old file
     _, info = main_multi_lora.load_or_train(base, real_data, slice_data, args, preset, "TRANIO", [])
-    assert info["source"].startswith("trained") and iu.load_checkpoint(path)["config"]["steps"] == 4
+    assert info["source"].startswith("trained") and files.load_checkpoint(path)["meta"]["stamp"]["steps"] == 4
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -247,6 +249,6 @@ def test_a_failed_check_writes_nothing(real_data, tmp_path, monkeypatch):
         return torch.zeros(prompts.shape[0], prompts.shape[1] + n_tokens, dtype=torch.long)
     monkeypatch.setattr(main_multi_lora, "generate_multi_lora", wrong)
     out = tmp_path / "lora.json"
-    with pytest.raises(iu.GPTliteError, match="checks failed: batched \\(BGMV\\) = each request alone"):
+    with pytest.raises(GPTliteError, match="checks failed: batched \\(BGMV\\) = each request alone"):
         main_multi_lora.main(SMOKE + ["--json", str(out)])
     assert not out.exists()

@@ -4,11 +4,11 @@ it alone."""
 import pytest
 import torch
 
-import paged_engine
-import serving
+from lib import paged_engine
+from lib import serving
 from conftest import TINY
-from paged_engine import BlockManager, PagedEngine, Scheduler, Sequence
-from prefix_cache import chain_keys
+from lib.paged_engine import BlockManager, PagedEngine, Scheduler, Sequence
+from lib.prefix_cache import chain_keys
 from test_batching import SEQLEN, assert_same, one_at_a_time, random_requests
 
 

@@ -5,7 +5,8 @@ import torch
 
 from conftest import TINY
 from gptlite_kvcache import StaticKVCache, generate_kvcache
-from prefix_cache import PrefixCache, chain_keys, fork_static_cache
+from lib.prefix_cache import PrefixCache, chain_keys, fork_static_cache
+from lib import harness, training
 
 SEQLEN = TINY["seqlen"]  # 16
 BS = 4  # blocks of 4 tokens: several blocks fit the tiny model's 16-token window
@@ -216,7 +217,7 @@ def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_pa
     import main_prefix_cache
     # the standard evaluation (20 batches of 32 x 128) takes seconds and has its own tests; the script
     # only reports it, the same for every row
-    monkeypatch.setattr(iu, "validation_loss", lambda model, data: 4.2)
+    monkeypatch.setattr(training, "validation_loss", lambda model, data: 4.2)
     out_json, out_png = tmp_path / "pc.json", tmp_path / "pc.png"
     main_prefix_cache.main(["--untrained", "--device", "cpu", "--prefix-len", "32", "--request-len", "8",
                             "--n-tokens", "4", "--batch-sizes", "1", "2", "--n-requests", "3", "--turns", "3",
@@ -249,7 +250,7 @@ def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_pa
 def test_main_prefix_cache_bad_flags_are_errors_before_any_work(flags, capsys, monkeypatch):
     import inference_utils as iu
     import main_prefix_cache
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_prefix_cache.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err

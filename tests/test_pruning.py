@@ -15,13 +15,15 @@ from inference_utils import kv_cache_model, model_config
 from main_pruning import compute_importance, logits_with_zeroed, prune, prune_linear, top_indices
 from test_distillation import quick_validation_loss
 from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
+from lib.errors import GPTliteError
+from lib import corpus, files, harness, presets, training
 
 D_FF = 4 * TINY["d_model"]
 
 
 def fake_data(n_tokens=4000, seed=0):
     tokens = torch.randint(TINY["vocab_size"], (n_tokens,), generator=torch.Generator().manual_seed(seed))
-    return iu.Data(vocab="".join(chr(32 + i) for i in range(TINY["vocab_size"])), train=tokens, val=tokens)
+    return corpus.Data(vocab="".join(chr(32 + i) for i in range(TINY["vocab_size"])), train=tokens, val=tokens)
 
 
 def importance_keeping(keep_heads, keep_neurons):
@@ -132,8 +134,8 @@ def test_pruned_model_saves_loads_runs_with_the_kv_cache_and_trains(tiny_models,
     heads, neurons = compute_importance(base, fake_data(), n_batches=2, batch_size=4, seqlen=TINY["seqlen"])
     pruned = prune(copy.deepcopy(base), heads, neurons, 1, 20)
     config, data = model_config(pruned), fake_data()
-    iu.save_checkpoint(tmp_path / "pruned.pt", pruned, config, data.vocab)
-    ckpt = iu.load_checkpoint(tmp_path / "pruned.pt", vocab=data.vocab)
+    files.save_checkpoint(tmp_path / "pruned.pt", pruned, config, data.vocab)
+    ckpt = files.load_checkpoint(tmp_path / "pruned.pt", vocab=data.vocab)
     model = GPTlite(**ckpt["config"]).eval()
     model.load_state_dict(ckpt["state_dict"])
     cached = GPTlite_KVCache(**ckpt["config"]).eval()
@@ -146,7 +148,7 @@ def test_pruned_model_saves_loads_runs_with_the_kv_cache_and_trains(tiny_models,
     prompt = tokens(2, 5)
     assert torch.equal(generate_kvcache(cached, prompt, 11, TINY["seqlen"]), generate(model, prompt, 11, TINY["seqlen"]))
     before = [p.detach().clone() for p in model.parameters()]
-    history = iu.train_steps(model, data, 3, 4, TINY["seqlen"], 1e-3, eval_interval=1)
+    history = training.train_steps(model, data, 3, 4, TINY["seqlen"], 1e-3, eval_interval=1)
     assert len(history) == 3 and all(h["val_loss"] == h["val_loss"] for h in history)  # finite, not NaN
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -170,13 +172,13 @@ def test_importance_scores_and_hooks_are_removed(tiny_models):
     handle = base.blocks[0].mha.out_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     with torch.no_grad():
         for _ in range(2):
-            base(iu.get_batch(fake_data().train, 4, 8, g)[0])
+            base(corpus.get_batch(fake_data().train, 4, 8, g)[0])
     handle.remove()
     expected = sum(c[..., :TINY["d_head"]].norm(dim=-1).sum() for c in captured)
     assert heads[0][0].item() == pytest.approx(expected.item(), rel=1e-5)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())
     # also when the forward pass fails part-way
-    bad = iu.Data(vocab="", train=torch.full((100,), 999), val=torch.full((100,), 999))  # ids outside the vocabulary
+    bad = corpus.Data(vocab="", train=torch.full((100,), 999), val=torch.full((100,), 999))  # ids outside the vocabulary
     with pytest.raises(IndexError):
         compute_importance(base, bad, n_batches=1, batch_size=2, seqlen=8)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())
@@ -197,7 +199,7 @@ def test_keeping_more_than_exist_or_none_is_a_clear_error(tiny_models, n_heads, 
 
 
 def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)  # tiny settings: 2 batches of 8
+    monkeypatch.setattr(training, "validation_loss", quick_validation_loss)  # tiny settings: 2 batches of 8
     out_json, out_png, out_ckpt = tmp_path / "p.json", tmp_path / "p.png", tmp_path / "pruned.pt"
     main_pruning.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "5", "--batch-size", "4", "--calib-batches", "1",
                        "--random-draws", "2", "--prompt-len", "8", "--n-tokens", "4", "--repeats", "1",
@@ -209,7 +211,7 @@ def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
     assert list(rows) == ["original", "one-shot + distill", "random prune (mean of 2)", "iterative + distill",
                           "random init + distill"]
     assert result["max_abs_diff_vs_zeroed"] < 1e-4
-    p = iu.PRESETS["cpu"]
+    p = presets.PRESETS["cpu"]
     assert result["config"] == dict(p.model_config(), n_heads=p.n_heads // 2, d_ff=2 * p.d_model)
     small = sum(t.numel() for t in GPTlite(**result["config"]).parameters())
     assert rows["original"]["params"] == sum(t.numel() for t in GPTlite(**p.model_config()).parameters())
@@ -220,14 +222,14 @@ def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
     curve = result["curves"]["iterative"]
     assert [c[0] for c in curve] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5]  # 5 prune + distill steps of 1 step each
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    ckpt = iu.load_checkpoint(out_ckpt, vocab=real_data.vocab)
+    ckpt = files.load_checkpoint(out_ckpt, vocab=real_data.vocab)
     assert ckpt["config"] == result["config"] and ckpt["meta"]["variant"] == result["best"]
     assert rebuild_of(ckpt).startswith("python main_pruning.py --untrained --preset cpu")
 
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, monkeypatch, diverging_loss):
-    monkeypatch.setattr(iu, "validation_loss", quick_validation_loss)
-    with pytest.raises(iu.GPTliteError):
+    monkeypatch.setattr(training, "validation_loss", quick_validation_loss)
+    with pytest.raises(GPTliteError):
         main_pruning.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "5", "--batch-size", "2",
                            "--calib-batches", "1", "--random-draws", "1", "--prompt-len", "8", "--n-tokens", "2",
                            "--repeats", "1", "--save", str(tmp_path / "p.pt"), "--json", str(tmp_path / "p.json"),
@@ -239,19 +241,19 @@ def test_save_and_reload_replaces_nothing_when_the_reloaded_model_differs(tiny_m
     base, _ = tiny_models
     path = tmp_path / "model.pt"
     path.write_bytes(b"the previous file")
-    load_checkpoint = iu.load_checkpoint
+    load_checkpoint = files.load_checkpoint
 
     def corrupted(*args, **kwargs):  # a reload that loses a weight
         ckpt = load_checkpoint(*args, **kwargs)
         ckpt["state_dict"]["fc_out.bias"] += 1
         return ckpt
     monkeypatch.setattr(iu, "load_checkpoint", corrupted)
-    with pytest.raises(iu.GPTliteError, match="other logits"):
+    with pytest.raises(GPTliteError, match="other logits"):
         iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
     assert path.read_bytes() == b"the previous file" and list(tmp_path.iterdir()) == [path]
     monkeypatch.setattr(iu, "load_checkpoint", load_checkpoint)
     iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
-    assert torch.equal(iu.load_checkpoint(path)["state_dict"]["fc_out.bias"], base.fc_out.bias)
+    assert torch.equal(files.load_checkpoint(path)["state_dict"]["fc_out.bias"], base.fc_out.bias)
 
 
 @pytest.mark.parametrize("flags", [["--keep", "0"], ["--keep", "1"], ["--keep", "nan"], ["--step", "0"], ["--step", "0.6"],
@@ -260,7 +262,7 @@ def test_save_and_reload_replaces_nothing_when_the_reloaded_model_differs(tiny_m
                                    ["--random-draws", "0"], ["--batch-size", "0"], ["--n-tokens", "1"],
                                    ["--prompt-len", "129"], ["--save", "/no/such/folder/p.pt"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_pruning.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
@@ -274,6 +276,6 @@ def test_good_flags_at_the_edges_pass_the_checks(flags, monkeypatch):
 
     def load_data(path=None):
         raise DataLoaded
-    monkeypatch.setattr(iu, "load_data", load_data)
+    monkeypatch.setattr(harness, "load_data", load_data)
     with pytest.raises(DataLoaded):  # the flags passed: the script went on to load the data
         main_pruning.main(["--untrained", "--device", "cpu", "--preset", "cpu"] + flags)

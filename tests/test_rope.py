@@ -6,6 +6,7 @@ import torch
 import inference_utils as iu
 from conftest import TINY
 from gptlite_rope import GPTlite_RoPE, apply_rope, rope_tables, train_rope
+from lib import files, presets, training
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_rotated_scores_depend_only_on_the_offset():
 
 def test_cached_decode_equals_the_full_forward_pass(tiny_rope):
     x = torch.randint(65, (3, TINY["seqlen"]))
-    assert iu.cached_matches_full(tiny_rope, x, atol=1e-4)
+    assert training.cached_matches_full(tiny_rope, x, atol=1e-4)
     full, _ = tiny_rope(x)
     logits, cache = tiny_rope(x[:, :1])
     steps = [logits]
@@ -84,9 +85,9 @@ def test_more_tokens_than_the_window_is_a_clear_error(tiny_rope):
 
 
 def test_train_save_and_reload(real_data, tmp_path):
-    preset = iu.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=4, lr=1e-3, iters=2)
+    preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=4, lr=1e-3, iters=2)
     model = train_rope(preset, real_data, "cpu", path=tmp_path / "rope.pt")
-    ckpt = iu.load_checkpoint(tmp_path / "rope.pt", config=preset.model_config(), vocab=real_data.vocab)
+    ckpt = files.load_checkpoint(tmp_path / "rope.pt", config=preset.model_config(), vocab=real_data.vocab)
     assert "position_embedding.weight" not in ckpt["state_dict"]
     reloaded = GPTlite_RoPE(**ckpt["config"]).eval()
     reloaded.load_state_dict(ckpt["state_dict"])

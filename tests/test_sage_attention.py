@@ -11,6 +11,7 @@ import inference_utils as iu
 import main_sage_attention as msa
 from conftest import TINY
 from main_sage_attention import sage_attention
+from lib import harness
 
 ATOL = 1e-5  # float32
 
@@ -170,7 +171,7 @@ def test_main_sage_attention_end_to_end(real_data, tmp_path, capsys):
                                    ["--offset", "nan"], ["--bench-len", "0"], ["--repeats", "0"],
                                    ["--prompt-len", "129"], ["--plot", "out.txt"]])
 def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         msa.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2

@@ -13,8 +13,10 @@ import torch
 
 import inference_utils as iu
 import main_semantic_cache
-import semantic_cache as sc
-from semantic_cache import ScopedSemanticCache
+from lib import harness, semantic_cache as sc, training
+from lib.semantic_cache import ScopedSemanticCache
+from lib.errors import GPTliteError
+from lib import harness, presets
 
 DIM = 4
 
@@ -501,7 +503,7 @@ def test_real_encoder_default_threshold_separates_the_shipped_pairs(encoder):
 
 def test_main_semantic_cache_end_to_end(real_data, encoder, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sc, "sentence_transformer_embedder", lambda name, device: encoder)  # loaded once
-    monkeypatch.setattr(iu, "validation_loss", lambda model, data: 4.2)  # the standard evaluation takes seconds
+    monkeypatch.setattr(training, "validation_loss", lambda model, data: 4.2)  # the standard evaluation takes seconds
     out_json, out_png = tmp_path / "sc.json", tmp_path / "sc.png"
     main_semantic_cache.main(["--untrained", "--device", "cpu", "--n-tokens", "4", "--repeats", "1",
                               "--json", str(out_json), "--plot", str(out_png)])
@@ -535,7 +537,7 @@ def test_main_semantic_cache_end_to_end(real_data, encoder, tmp_path, capsys, mo
 @pytest.mark.parametrize("flags", [["--threshold", "1.5"], ["--threshold", "-2"], ["--pairs", "/no/such.tsv"],
                                    ["--n-tokens", "1"], ["--repeats", "0"], ["--plot", "x.txt"], ["--bogus"]])
 def test_main_semantic_cache_bad_flags_are_errors_before_any_work(flags, capsys, monkeypatch):
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
         main_semantic_cache.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
@@ -546,7 +548,7 @@ def test_main_semantic_cache_bad_flags_are_errors_before_any_work(flags, capsys,
 def test_bad_pair_files_are_clear_errors(text, tmp_path):
     path = tmp_path / "pairs.tsv"
     path.write_text(text)
-    with pytest.raises(iu.GPTliteError, match="pairs.tsv"):
+    with pytest.raises(GPTliteError, match="pairs.tsv"):
         main_semantic_cache.load_pairs(path)
 
 
@@ -554,27 +556,27 @@ def test_an_encoder_that_cannot_be_loaded_is_one_clear_line(real_data, monkeypat
     def missing(name, device):
         raise ValueError(f"could not load the sentence encoder {name!r}")
     monkeypatch.setattr(sc, "sentence_transformer_embedder", missing)
-    monkeypatch.setattr(iu, "validation_loss", lambda model, data: 4.2)
+    monkeypatch.setattr(training, "validation_loss", lambda model, data: 4.2)
     with pytest.raises(SystemExit) as e:
-        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--encoder", "no/such-model"]))
+        harness.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--encoder", "no/such-model"]))
     assert str(e.value.code) == "error: could not load the sentence encoder 'no/such-model'"
 
 
 def test_a_pairs_file_that_is_not_utf8_is_one_clear_line(tmp_path, monkeypatch):
     path = tmp_path / "pairs.tsv"
     path.write_bytes("label\tquery_a\tquery_b\nsame\tCafé?\tA café?\n".encode("latin-1"))
-    with pytest.raises(iu.GPTliteError, match=r"pairs.tsv line 2: not UTF-8 text \(invalid continuation byte at "
+    with pytest.raises(GPTliteError, match=r"pairs.tsv line 2: not UTF-8 text \(invalid continuation byte at "
                                               r"byte 30\); save the file as UTF-8"):
         main_semantic_cache.load_pairs(path)
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
     with pytest.raises(SystemExit) as e:
-        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
+        harness.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
     assert str(e.value.code) == f"error: {path} line 2: not UTF-8 text (invalid continuation byte at byte 30); " \
                                 "save the file as UTF-8"
 
 
 def test_a_pairs_file_that_cannot_be_read_is_one_clear_line(tmp_path, monkeypatch):
-    with pytest.raises(iu.GPTliteError, match=rf"cannot read the pairs file {tmp_path} \(Is a directory\): give a "
+    with pytest.raises(GPTliteError, match=rf"cannot read the pairs file {tmp_path} \(Is a directory\): give a "
                                               r"readable TSV file with --pairs"):
         main_semantic_cache.load_pairs(tmp_path)
     path = tmp_path / "pairs.tsv"
@@ -586,9 +588,9 @@ def test_a_pairs_file_that_cannot_be_read_is_one_clear_line(tmp_path, monkeypatc
             raise PermissionError(13, "Permission denied")
         return read_bytes(self)
     monkeypatch.setattr(Path, "read_bytes", unreadable)
-    monkeypatch.setattr(iu, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("the pairs must be read before the data"))
     with pytest.raises(SystemExit) as e:
-        iu.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
+        harness.run(lambda: main_semantic_cache.main(["--untrained", "--device", "cpu", "--pairs", str(path)]))
     assert str(e.value.code) == f"error: cannot read the pairs file {path} (Permission denied): give a readable " \
                                 "TSV file with --pairs"
 
@@ -612,7 +614,7 @@ def test_format_sweep_one_precision_per_column():
 @pytest.mark.parametrize("whole_sequence", [False, True])
 def test_the_answer_is_the_new_tokens_in_either_convention_of_generate_kvcache(real_data, monkeypatch, whole_sequence):
     from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-    preset = iu.get_preset("cpu")
+    preset = presets.get_preset("cpu")
     model = iu.load_model(GPTlite_KVCache, preset, "cpu", real_data, untrained=True)
     prompt = main_semantic_cache.prompt_ids("How do I delete a file?", real_data, preset.seqlen, "cpu")  # [1, 23]
     expected = real_data.decode(generate_kvcache(model, prompt, 5, preset.seqlen)[0, -5:].tolist())  # the new tokens
@@ -628,7 +630,7 @@ def test_main_semantic_cache_reports_an_unmeasurable_model_tpot(real_data, encod
     """Timing noise can leave GPTlite's TPOT unmeasurable (None): the miss row's figures come from the model's
     whole-answer time instead, and nothing is computed from the None (a busy machine once made it a TypeError)."""
     monkeypatch.setattr(sc, "sentence_transformer_embedder", lambda name, device: encoder)
-    monkeypatch.setattr(iu, "validation_loss", lambda model, data: 4.2)
+    monkeypatch.setattr(training, "validation_loss", lambda model, data: 4.2)
     unmeasurable_tpot("")  # measure_generation's one variant
     out_json = tmp_path / "sc.json"
     main_semantic_cache.main(["--untrained", "--device", "cpu", "--n-tokens", "4", "--repeats", "1",

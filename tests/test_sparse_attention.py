@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kv_budget as kb
+from lib import kv_budget as kb
 import main_sparse_attention as msa
 from conftest import TINY
 from gptlite import generate

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 
 import inference_utils as iu
 import main_structured_decoding as msd
-import structured_decoding as sd
+from lib import structured_decoding as sd
 from conftest import TINY
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+from lib import corpus
 
 VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # tiny Shakespeare's 65
 SPEAKERS = ["KING", "KATE", "GREMIO"]
@@ -106,7 +107,7 @@ def test_grammar_loss_renormalizes_over_the_allowed_characters(models):
     turn = "KATE:\nAy me\n\n"
     context = "So\nthe end of it\n\n" * 4
     val = torch.tensor([VOCAB.index(c) for c in context + turn])
-    data = iu.Data(vocab=VOCAB, train=val, val=val)
+    data = corpus.Data(vocab=VOCAB, train=val, val=val)
     task = msd.Task("turn", grammars()["turn"], r"\n\n", [(len(context), turn)])
     with torch.inference_mode():
         logits = base(val[None, -65:-1])[0, -len(turn):]  # [len, vocab]: the window that ends with the turn

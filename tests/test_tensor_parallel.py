@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import distributed
+from lib import distributed
 import inference_utils as iu
 import main_tensor_parallel
 from conftest import TINY
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_tp import GPTlite_TP, check_tp_size, shard_state_dict, tensor_parallel_model
+from lib.errors import GPTliteError
 
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
 SCRIPT = Path(__file__).resolve().parent.parent / "main_tensor_parallel.py"
@@ -106,7 +107,7 @@ def test_a_rank_that_stops_answering_gives_a_clear_error_after_the_timeout(tmp_p
 
 
 def test_a_launch_past_its_timeout_is_killed_with_a_clear_error(tmp_path):
-    with pytest.raises(iu.GPTliteError, match="did not finish within 1 s and was killed"):
+    with pytest.raises(GPTliteError, match="did not finish within 1 s and was killed"):
         run_worker("hang", tmp_path, timeout_s=1)
 
 
@@ -115,9 +116,9 @@ def test_a_launch_past_its_timeout_is_killed_with_a_clear_error(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_a_cuda_backend_on_a_machine_without_cuda_is_a_clear_error_before_any_work():
-    with pytest.raises(iu.GPTliteError, match="no CUDA device; run on CPU"):
+    with pytest.raises(GPTliteError, match="no CUDA device; run on CPU"):
         distributed.backend_for("cuda")
-    with pytest.raises(iu.GPTliteError, match="no CUDA device"):
+    with pytest.raises(GPTliteError, match="no CUDA device"):
         distributed.init("cuda:0")
     assert not dist.is_initialized()
 

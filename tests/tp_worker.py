@@ -18,8 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import distributed  # noqa: E402
+from lib import distributed  # noqa: E402
 import inference_utils as iu  # noqa: E402
+from lib import files, harness  # noqa: E402
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache  # noqa: E402
 from gptlite_tp import tensor_parallel_model  # noqa: E402
 
@@ -57,7 +58,7 @@ def main():
         static = generate_kvcache(tp, prompts, 11, CONFIG["seqlen"], kv_cache=StaticKVCache.for_model(tp, 3))
         cache = StaticKVCache.for_model(tp, 3)
     if d.rank == 0:
-        iu.atomic_write_bytes(json.dumps({
+        files.atomic_write_bytes(json.dumps({
             "world_size": d.world_size, "logits_max_diff": logits_diff,
             "tokens_equal": torch.equal(dynamic, expected), "static_tokens_equal": torch.equal(static, expected),
             "kv_heads": cache.keys.shape[2], "kv_bytes": cache.nbytes,
@@ -67,4 +68,4 @@ def main():
 
 
 if __name__ == "__main__":
-    iu.run(main)
+    harness.run(main)

@@ -22,6 +22,7 @@ import torch
 import inference_utils as iu
 from gptlite import check_generation_args
 from gptlite_kvcache import generate_kvcache
+from lib import harness
 
 
 def check_requests(model, requests, batch_size, seqlen):
@@ -192,14 +193,14 @@ def same_outputs(outputs, reference):
 
 def add_trace_args(parser, n_requests=64, rate=None):
     """The trace's flags; rate=None: an offline trace, every request at time 0 (no --rate flag)."""
-    parser.add_argument("--n-requests", type=iu.int_at_least(1), default=n_requests, help="requests in the trace")
+    parser.add_argument("--n-requests", type=harness.int_at_least(1), default=n_requests, help="requests in the trace")
     if rate is not None:
         parser.add_argument("--rate", type=float, default=rate,
                             help="Poisson arrival rate, requests per second (inf: every request at time 0)")
-    parser.add_argument("--prompt-median", type=iu.int_at_least(1), default=32, help="median prompt length (log-normal)")
-    parser.add_argument("--output-median", type=iu.int_at_least(1), default=16,
+    parser.add_argument("--prompt-median", type=harness.int_at_least(1), default=32, help="median prompt length (log-normal)")
+    parser.add_argument("--output-median", type=harness.int_at_least(1), default=16,
                         help="median output length (log-normal, long tail)")
-    parser.add_argument("--repeats", type=iu.int_at_least(1), default=3,
+    parser.add_argument("--repeats", type=harness.int_at_least(1), default=3,
                         help="runs of the trace per variant, round-robin, after a warm-up; each figure is the median")
 
 
@@ -213,11 +214,11 @@ def check_trace_args(args, parser, seqlen):
 
 def add_sharing_args(parser):
     """The flags of the prefix-sharing traces (make_shared_prefix_trace, make_multi_turn_trace)."""
-    parser.add_argument("--system-len", type=iu.int_at_least(1), default=64,
+    parser.add_argument("--system-len", type=harness.int_at_least(1), default=64,
                         help="--prefix-sharing: system prompt tokens")
-    parser.add_argument("--turns", type=iu.int_at_least(2), default=4,
+    parser.add_argument("--turns", type=harness.int_at_least(2), default=4,
                         help="--prefix-sharing: turns per conversation (conversations: --n-requests / --turns)")
-    parser.add_argument("--think-time", type=iu.positive_float, default=2.0,
+    parser.add_argument("--think-time", type=harness.positive_float, default=2.0,
                         help="--prefix-sharing: seconds between a conversation's turns")
 
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import serving
+from lib import serving
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache
-from prefix_cache import block_key, chain_keys
+from lib.prefix_cache import block_key, chain_keys
 
 
 class BlockManager:

@@ -281,7 +281,7 @@ class ScopedSemanticCache:
     def save(self, path):
         """Vectors and entries of every namespace, and the encoder's name and dimension, to one .npz
         file, atomically (temp file, then rename). The counts of stats() are not saved."""
-        from inference_utils import atomic_file
+        from lib.files import atomic_file
         names = list(self.spaces)
         meta = {"version": FORMAT_VERSION, "encoder": self.encoder, "dim": self.dim, "namespaces": names,
                 "entries": [self.spaces[n].answers for n in names]}

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from inference_utils import GPTliteError
+from lib.errors import GPTliteError
 
 DEFAULT_TIMEOUT_S = 60  # how long a collective waits for a peer before it fails
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import inference_utils as iu
 from gptlite import scaled_dot_product_attention
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache
+from lib import harness
 
 
 def naive_attention(Q, K, V):
@@ -122,7 +123,7 @@ def format_results(results, baseline="naive", fast="SDPA"):
 
 def plot(results, path, title):
     """Time and peak memory against context length, one curve per variant, on log-log axes."""
-    fig, (ax_time, ax_mem) = iu.new_figure(2)
+    fig, (ax_time, ax_mem) = harness.new_figure(2)
     for name, r in results.items():
         ax_time.plot(r["context"], r["ms"], marker="o", label=name)
         ax_mem.plot(r["context"], [max(mb, 1e-3) for mb in r["peak_mb"]], marker="o", label=name)
@@ -131,4 +132,4 @@ def plot(results, path, title):
         ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    iu.save_plot(fig, path)
+    harness.save_plot(fig, path)

@@ -33,9 +33,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-import serving
-from inference_utils import GPTliteError
-from paged_engine import BlockManager, ModelRunner, Scheduler, Sequence
+from lib import serving
+from lib.errors import GPTliteError
+from lib.paged_engine import BlockManager, ModelRunner, Scheduler, Sequence
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 HEADER_TAG, PAYLOAD_TAG = 0, 1  # messages of one tag arrive in the order they were sent

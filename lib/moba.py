@@ -1,6 +1,6 @@
 """MoBA (Mixture of Block Attention, Lu et al. 2025, arXiv 2502.13189) for GPTlite.
 
-    from moba import GPTlite_MoBA
+    from lib.moba import GPTlite_MoBA
     model = GPTlite_MoBA(**preset.model_config(), block_size=16, top_k=2)  # loads GPTlite's state dict
 
 Blog section: "Trainable sparse attention". The keys are split into blocks of `block_size` tokens.

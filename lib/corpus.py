@@ -1,0 +1,104 @@
+"""Data: tiny Shakespeare at character level (first 90% train, last 10%
+validation), with fixed-seed batches and prompts."""
+import hashlib
+import http.client
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lib.errors import DataError
+from lib.files import ROOT, atomic_write_bytes
+
+
+DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DATA_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+DATA_BYTES = 1_115_394
+DEFAULT_DATA = ROOT / "data" / "tinyshakespeare.txt"
+
+
+def data_help():
+    return ("Give the tiny Shakespeare file in one of three ways: --data PATH, the GPTLITE_DATA "
+            f"environment variable, or {DEFAULT_DATA} (downloaded from {DATA_URL} when missing and online).")
+
+
+@dataclass
+class Data:
+    vocab: str           # the sorted characters; token id = index
+    train: torch.Tensor  # [N_train] token ids
+    val: torch.Tensor    # [N_val] token ids
+
+    def encode(self, text):
+        unknown = sorted(set(text) - set(self.vocab))
+        if unknown:
+            raise ValueError(f"characters {unknown} are not in the tiny Shakespeare vocabulary")
+        index = {c: i for i, c in enumerate(self.vocab)}
+        return [index[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.vocab[i] for i in ids)
+
+
+def _download(path):
+    """Fetch the canonical file into `path`; only a file with the right hash is ever put there."""
+    try:
+        with urllib.request.urlopen(DATA_URL, timeout=30) as response:
+            raw = response.read()
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+        raise DataError(f"no data file found and the download failed ({e}). {data_help()}") from None
+    if hashlib.sha256(raw).hexdigest() != DATA_SHA256:
+        raise DataError(f"the downloaded file is not the canonical tiny Shakespeare (sha256 differs). {data_help()}")
+    try:
+        atomic_write_bytes(raw, path)
+    except OSError as e:
+        raise DataError(f"downloaded tiny Shakespeare but cannot write it to {path} ({e}). {data_help()}") from None
+
+
+def load_data(path=None):
+    """Load tiny Shakespeare from `path`, else $GPTLITE_DATA, else data/ (downloading it there)."""
+    if path:
+        path, source = Path(path), "--data"
+    elif os.environ.get("GPTLITE_DATA"):
+        path, source = Path(os.environ["GPTLITE_DATA"]), "GPTLITE_DATA"
+    else:
+        path, source = DEFAULT_DATA, None
+    try:
+        if not path.is_file():
+            if source is not None:  # an explicit path that is wrong is an error, not a reason to download
+                raise DataError(f"{source} points at {path}, which is not a file. {data_help()}")
+            _download(path)
+        raw = path.read_bytes()
+    except OSError as e:  # permission denied, a folder in the way, ...
+        raise DataError(f"cannot read {path} ({e}). {data_help()}") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != DATA_SHA256:  # before decoding: a file that is not UTF-8 fails here, with what to do
+        raise DataError(f"{path} is not the canonical tiny Shakespeare ({len(raw):,} bytes, sha256 {digest}; "
+                        f"expected {DATA_BYTES:,} bytes, sha256 {DATA_SHA256}). Replace it. {data_help()}")
+    text = raw.decode("ascii")  # the canonical file is ASCII: the hash above guarantees it
+    vocab = "".join(sorted(set(text)))
+    table = torch.zeros(256, dtype=torch.long)  # byte -> token id (the canonical file is ASCII)
+    for i, c in enumerate(vocab):
+        table[ord(c)] = i
+    tokens = table[torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()]
+    n_train = int(0.9 * len(tokens))
+    return Data(vocab=vocab, train=tokens[:n_train], val=tokens[n_train:])
+
+
+def get_batch(tokens, batch_size, seqlen, generator=None, device="cpu"):
+    """Random windows of `tokens`: inputs and next-token targets, each [batch_size, seqlen]."""
+    starts = torch.randint(len(tokens) - seqlen - 1, (batch_size,), generator=generator)
+    x = torch.stack([tokens[s:s + seqlen] for s in starts])
+    y = torch.stack([tokens[s + 1:s + seqlen + 1] for s in starts])
+    return x.to(device), y.to(device)
+
+
+def sample_prompts(data, n_prompts, length, seed=0, device="cpu"):
+    """`n_prompts` windows of `length` characters from the validation split: [n_prompts, length]."""
+    if not 1 <= length < len(data.val):
+        raise ValueError(f"prompt length must be between 1 and {len(data.val) - 1}, got {length}")
+    generator = torch.Generator().manual_seed(seed)
+    return get_batch(data.val, n_prompts, length, generator, device)[0]
+

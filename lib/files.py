@@ -1,0 +1,160 @@
+"""Files that are never half written: atomic writes (temp file, then rename), stale temp files of dead
+processes, and checkpoints (config, vocabulary, state dict and their sha256) verified when loaded."""
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from lib.errors import CheckpointError
+from lib.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT_DIR = ROOT / "checkpoints"
+OUTPUT_DIRS = ("checkpoints", "results", "docs", "data", ".")  # where the repository writes, under ROOT
+
+
+def checkpoint_path(name):
+    return CHECKPOINT_DIR / f"{name}.pt"
+
+
+def gptlite_command(preset, iters=None, seed=0):
+    """The command that trains checkpoints/<preset>.pt: the rebuild hint of a preset checkpoint."""
+    flags = (f" --iters {iters}" if iters else "") + (f" --seed {seed}" if seed else "")
+    return f"python gptlite.py --preset {preset}{flags}"
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: no signal, only the check that the process exists
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: another user's process; cannot tell: keep its file
+        pass
+    return True
+
+
+def remove_stale_temps(path):
+    """Remove the `<name>.tmp<pid>` files beside `path` of processes that are gone (killed mid-write).
+    A live process's temp file is kept: it may be writing the same path right now, and its rename must
+    not fail. (Only on POSIX: on Windows os.kill(pid, 0) would send Ctrl+C, not check.)"""
+    if os.name != "posix":
+        return
+    for tmp in path.parent.iterdir():
+        pid = tmp.name.removeprefix(f"{path.name}.tmp")
+        if tmp.name != pid and pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):  # a file we cannot remove must not stop the save
+                tmp.unlink()
+
+
+def sweep_stale_temps(folders):
+    """Remove every stale temp file (`<name>.tmp<pid>` of a process that is gone) in `folders`: what a
+    killed save left behind, removed at the start of any run rather than at the next write of that path."""
+    for folder in folders:
+        folder = Path(folder)
+        if folder.is_dir():
+            for tmp in {p.with_name(p.name.split(".tmp")[0]) for p in folder.glob("*.tmp[0-9]*")}:
+                remove_stale_temps(tmp)
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """Yield a temporary path beside `path`; on success it is synced to disk and renamed to `path`, on
+    failure removed. A killed run never leaves a corrupt file, and an old file survives a failed write;
+    the temp file a killed run leaves is removed by the next write of the same path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(raw, path):
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(raw)
+
+
+def atomic_torch_save(obj, path):
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def checkpoint_sha256(config, vocab, state_dict):
+    """sha256 over the config, the vocabulary and every tensor (name, dtype, shape and bytes, in name
+    order): one changed byte anywhere in the weights changes it."""
+    h = hashlib.sha256(json.dumps([config, vocab], sort_keys=True).encode())
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous()
+        h.update(f"\n{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the raw bytes, whatever the dtype
+    return h.hexdigest()
+
+
+def save_checkpoint(path, model, config, vocab, rebuild=None, **meta):
+    """Save config, vocabulary, state dict and their checksum atomically. `rebuild`: the shell command
+    that rebuilds this file, kept in the meta for the load errors (load_checkpoint's `rebuild`)."""
+    config, state_dict = dict(config), model.state_dict()
+    meta = {**meta, "rebuild": rebuild} if rebuild else meta
+    atomic_torch_save({"config": config, "vocab": vocab, "state_dict": state_dict, "meta": meta,
+                       "sha256": checkpoint_sha256(config, vocab, state_dict)}, path)
+
+
+def load_checkpoint(path, config=None, vocab=None, rebuild=None):
+    """Read and verify a checkpoint; a damaged file, or another `config` or `vocab` than asked for, is a
+    clear error that names `rebuild`, the shell command that rebuilds this file (default: the command
+    saved in it, else gptlite.py's for a preset checkpoint)."""
+    path = Path(path)
+
+    def how_to_rebuild(command):
+        return f"rebuild it with: {command}" if command else "rebuild it with the script that saved it"
+
+    retrain = how_to_rebuild(rebuild or (gptlite_command(path.stem) if path.stem in PRESETS else None))
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ok = (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict)
+              and isinstance(ckpt.get("vocab"), str) and isinstance(ckpt.get("state_dict"), dict)
+              and all(isinstance(t, torch.Tensor) for t in ckpt["state_dict"].values()))
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); {retrain}") from None
+    if not ok:
+        raise CheckpointError(f"{path} is not a checkpoint of this repository (config, vocab and state_dict "
+                              f"expected); {retrain}")
+    saved_command = ckpt["meta"].get("rebuild") if isinstance(ckpt.get("meta"), dict) else None
+    if not rebuild and isinstance(saved_command, str):  # the file says how it was made
+        retrain = how_to_rebuild(saved_command)
+    if "sha256" not in ckpt:
+        raise CheckpointError(f"{path} has no checksum of its weights (saved before checkpoints carried one, or not "
+                              f"by save_checkpoint), so it cannot be verified and is refused; {retrain}")
+    if ckpt["sha256"] != checkpoint_sha256(ckpt["config"], ckpt["vocab"], ckpt["state_dict"]):
+        raise CheckpointError(f"{path} is damaged: its weights do not match their checksum (a changed byte or an "
+                              f"edit outside save_checkpoint); {retrain}")
+    if not all(torch.isfinite(t).all() for t in ckpt["state_dict"].values() if t.is_floating_point()):
+        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf): the training diverged; {retrain}")
+    if config is not None and ckpt["config"] != dict(config):
+        saved, asked = ckpt["config"], dict(config)
+        diff = {k: (saved.get(k), asked.get(k)) for k in sorted(set(saved) | set(asked)) if saved.get(k) != asked.get(k)}
+        raise CheckpointError(f"{path} was trained with another configuration (as saved, as asked: {diff}); {retrain}")
+    if vocab is not None and ckpt["vocab"] != vocab:
+        raise CheckpointError(f"{path} was trained on another vocabulary than this data file's; "
+                              f"use the matching data file, or {retrain}")
+    return ckpt
+
+
+def rebuild_command(script, argv, preset):
+    """The shell command that reruns `script` with these flags (the preset named): what rebuilds a
+    file it saved."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+        argv = ["--preset", preset.name] + argv
+    return shlex.join(["python", script] + argv)
+

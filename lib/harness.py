@@ -1,0 +1,285 @@
+"""The script skeleton: flags (checked before any work), set-up, checks, and the report (table, JSON,
+plot), the same in every main_<technique>.py."""
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from lib.corpus import load_data
+from lib.errors import CheckpointError, DataError, GPTliteError, TrainingDiverged  # noqa: F401  (the scripts' errors)
+from lib.files import OUTPUT_DIRS, ROOT, atomic_file, atomic_write_bytes, sweep_stale_temps
+from lib.presets import PRESETS, get_preset
+
+
+def get_device(name=None):
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise GPTliteError(f"--device {name} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise GPTliteError(f"--device {name}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GPTliteError(f"--device {name} asked for CUDA, which this machine does not have; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise GPTliteError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def int_at_least(low):
+    """An argparse type: an integer of at least `low` (the error names the flag and the bound)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def float_in(low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    """An argparse type: a finite float in [low, high] (an open end with low_open / high_open).
+    inf and nan are refused: a non-finite learning rate or temperature trains a NaN model."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        below = value <= low if low_open else value < low
+        above = value >= high if high_open else value > high
+        if not math.isfinite(value) or below or above:
+            interval = (f"{'(' if low_open or low == -math.inf else '['}{low:g}, "
+                        f"{high:g}{')' if high_open or high == math.inf else ']'}")
+            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+positive_float = float_in(0.0, low_open=True)  # learning rates, temperatures
+
+
+def add_model_args(parser):
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="model preset (default: gptlite on CUDA, cpu elsewhere)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="random seed of training, prompts and weights")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="tiny Shakespeare file (default: $GPTLITE_DATA, else data/tinyshakespeare.txt)")
+
+
+def script_parser(doc):
+    """A script's argument parser: its docstring as the help text, and the common flags."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    return parser
+
+
+def add_common_args(parser):
+    add_model_args(parser)
+    parser.add_argument("--untrained", action="store_true",
+                        help="random weights, no checkpoint: a quick smoke run (loss figures are meaningless)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="also save the script's plot as PNG to PATH")
+
+
+def setup(args, parser, check_args=None):
+    """Check the common flags (and the output paths and prompt length of the scripts that have them),
+    choose device and preset (and say which), run the script's own `check_args(preset)`, then load the
+    data: every flag error comes before any work."""
+    for flag in ("json", "plot", "save"):
+        out = getattr(args, flag, None)
+        if out is not None:
+            if Path(out).is_dir() or not Path(out).resolve().parent.is_dir():
+                parser.error(f"--{flag} {out}: give a file path in a folder that exists")
+            if flag == "plot" and Path(out).suffix.lower() != ".png":
+                parser.error(f"--plot {out}: the plot is a PNG, give a path ending in .png")
+    try:
+        device = get_device(args.device)
+    except GPTliteError as e:
+        parser.error(str(e))
+    preset = get_preset(args.preset or ("gptlite" if device.type == "cuda" else "cpu"))
+    if getattr(args, "prompt_len", None) is not None and args.prompt_len > preset.seqlen:
+        parser.error(f"--prompt-len must be at most the model's seqlen={preset.seqlen}, got {args.prompt_len}")
+    if check_args is not None:
+        check_args(preset)
+    print(f"preset: {preset.name} ({'from --preset' if args.preset else 'default for ' + device.type}), "
+          f"device: {device}, torch {torch.__version__}")
+    outputs = [Path(out).resolve().parent for out in (getattr(args, f, None) for f in ("json", "plot", "save")) if out]
+    sweep_stale_temps([ROOT / d for d in OUTPUT_DIRS] + outputs)
+    torch.manual_seed(args.seed)
+    return preset, device, load_data(args.data)
+
+
+def check_fits(parser, flag, nbytes, what):
+    """A size flag bounded by the machine: `parser.error` naming `flag` when `nbytes`, the memory that the
+    flag's value makes the script allocate (estimated from the flags, before any work), exceeds what the
+    machine has available now. A huge batch or request count is then one line, not an out-of-memory
+    traceback or unbounded work."""
+    available = available_memory()
+    if nbytes > available:
+        parser.error(f"{flag}: {what} needs about {nbytes / 2**30:,.1f} GiB, more than the {available / 2**30:.1f} GiB "
+                     "this machine has available; give a smaller value")
+
+
+def available_memory():
+    """Bytes of memory available to a new allocation (Linux: MemAvailable; elsewhere: physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def report(args, script, preset, device, rows, headline, summary=(), tables=(), plot=None, **extra):
+    """The end of every script, once its checks have passed: print the table, the summary lines and the
+    headline, then write the JSON (--json) and the plot (--plot). The JSON holds the rows, the `headline`
+    ({"technique", "figure"}: the README's one-glance row, worded by the script), the `summary` lines, the
+    extra `tables` (each from `table()`) and `extra`; `plot()` draws a matplotlib figure from what was
+    measured: --plot never measures, and the JSON is the same with or without it."""
+    print_table(rows, untrained=args.untrained)
+    for t in tables:
+        print(f"\n{t['title']}\n{format_table(t['rows'], columns=t['columns'])}")
+    if summary:
+        print("\n" + "\n".join(summary))
+    print(f"\n{headline['technique']}: {headline['figure']}")
+    if args.json:
+        save_json(args.json, script, preset, device, rows, untrained=args.untrained, headline=headline,
+                  summary=list(summary), tables=list(tables), **extra)
+    if args.plot and plot is not None:
+        save_plot(plot(), args.plot)
+
+
+def table(title, rows, columns=None):
+    """An extra table of a script's results: a title line, its rows and their [key, header, format] columns
+    (default: as the main table chooses them)."""
+    return dict(title=title, columns=[list(c) for c in (columns or table_columns(rows))], rows=rows)
+
+
+def require_checks(checks):
+    """Stop with one clear error, before anything is written, when a check ({name: ok}) failed."""
+    failures = [name for name, ok in checks.items() if not ok]
+    if failures:
+        raise GPTliteError(f"checks failed: {'; '.join(failures)}; this is a bug (nothing written)")
+
+
+def run(main):
+    """Run a script's main(); our own errors are printed as one clear line, without a traceback."""
+    try:
+        main()
+    except GPTliteError as e:
+        sys.exit(f"error: {e}")
+
+
+COLUMNS = [  # key, header, format
+    ("variant", "variant", "{}"),
+    ("ttft_ms", "TTFT ms", "{:.2f}"),  # one generation: prefill + the first token
+    ("ttft_arrival_ms", "TTFT arrival ms", "{:.1f}"),  # serving: from the request's arrival, queueing included
+    ("ttft_arrival_p99_ms", "p99", "{:.1f}"),
+    ("tpot_ms", "TPOT ms", "{:.3f}"),
+    ("tpot_p99_ms", "p99", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("peak_mem_mb", "peak MB", "{:.2f}"),
+    ("kv_cache_mb", "KV MB", "{:.3f}"),
+    ("val_loss", "val loss", "{:.4f}"),
+]
+
+
+def make_row(variant, **figures):
+    """A result row with every standard column (None where a figure does not apply) plus extras."""
+    row = {key: None for key, _, _ in COLUMNS}
+    row.update(variant=variant, **figures)
+    return row
+
+
+def float_format(values):
+    """One format for a column of numbers: as many decimals as its most precise value needs (at most
+    4), so that 0.940 stands beside 0.938, not 0.94; integers as integers."""
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return "{}"
+    decimals = max((len(f"{v:.4f}".rstrip("0").split(".")[1]) for v in values if math.isfinite(v)), default=0)
+    return f"{{:.{decimals}f}}"
+
+
+def table_columns(rows):
+    """The printed columns: the standard ones that some row fills (TTFT ms, TPOT ms, ...), then every
+    extra key in first-seen order; extra numbers get one format per column. [(key, header, format)]"""
+    standard = {key for key, _, _ in COLUMNS}
+    columns = [c for c in COLUMNS if c[0] == "variant" or any(r.get(c[0]) is not None for r in rows)]
+    extras = dict.fromkeys(k for r in rows for k in r if k not in standard)
+    for key in extras:
+        numbers = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        columns.append((key, key, float_format(numbers) if numbers else "{}"))
+    return columns
+
+
+def format_table(rows, untrained=False, columns=None):
+    columns = columns or table_columns(rows)
+
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        text = fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+        return text + "*" if key == "val_loss" and untrained else text
+
+    table = [[header for _, header, _ in columns]] + [[cell(r, k, f) for k, _, f in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+             for line in table]
+    lines.insert(1, "-" * len(lines[0]))
+    if untrained:
+        lines.append("* untrained weights (--untrained): loss figures are meaningless")
+    return "\n".join(lines)
+
+
+def print_table(rows, untrained=False):
+    print(format_table(rows, untrained))
+
+
+def strict_json(value):
+    """`value` with every NaN or infinity replaced by None: JSON has no such numbers (json.dumps would
+    write NaN/Infinity, which strict parsers reject)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def save_json(path, script, preset, device, rows, untrained=False, **extra):
+    """Write the results as {"script", "preset", "device", "columns", "rows": [...]} (temp file, then
+    rename): `columns` are the table's [key, header, format] as printed; strict JSON (no NaN)."""
+    result = {"script": script, "preset": preset.name, "device": str(device), "untrained": untrained,
+              "torch": torch.__version__, "preset_config": asdict(preset),
+              "columns": [list(c) for c in table_columns(rows)], "rows": rows, **extra}
+    text = json.dumps(strict_json(result), indent=2, allow_nan=False)
+    atomic_write_bytes((text + "\n").encode(), path)
+    print(f"wrote {path}")
+
+
+def save_plot(fig, path):
+    """Save a matplotlib figure as PNG (temp file, then rename)."""
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    print(f"saved {path}")
+
+
+def new_figure(n_axes=1):
+    import matplotlib
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, n_axes, figsize=(6 * n_axes, 4.2))
+    return fig, axes
+

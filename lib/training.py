@@ -1,0 +1,129 @@
+"""Training and the validation loss: one AdamW loop for checkpoints, uptraining and distillation."""
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from lib.corpus import get_batch
+from lib.errors import TrainingDiverged
+
+
+def logits_of(output):
+    """Models with a KV cache return (logits, cache); the others return logits."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+@torch.no_grad()
+def validation_loss(model, data, n_batches=20, batch_size=32, seqlen=None, seed=1234):
+    """Mean cross entropy (nats per character) on fixed-seed validation batches, the same for every model."""
+    seqlen = seqlen or model.seqlen
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    losses = []
+    for _ in range(n_batches):
+        x, y = get_batch(data.val, batch_size, seqlen, generator, device)
+        logits = logits_of(model(x))  # [B, S, vocab]
+        losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def cross_entropy_loss(model, x, y):
+    return F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
+
+
+def check_finite(loss, step, n_steps, lr, what):
+    """Stop a diverged run at once: its weights are useless, and the callers save only after training."""
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"training diverged: the {what} is {loss} at step {step} of {n_steps} "
+                               f"(peak learning rate {lr:g}); rerun with a lower learning rate. Nothing was saved.")
+
+
+def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_interval=None,
+                loss_fn=cross_entropy_loss, desc="training"):
+    """Train `model` for `n_steps` AdamW steps (warm-up, cosine decay, gradient clipping at 1.0).
+
+    Returns the validation history [{"step", "val_loss"}], evaluated every `eval_interval` steps
+    and after the last one. `loss_fn(model, x, y)` lets distillation swap the loss."""
+    if n_steps < 1:
+        raise ValueError(f"n_steps must be at least 1, got {n_steps}")
+    device = next(model.parameters()).device
+    eval_interval = eval_interval or max(n_steps // 5, 1)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
+    warmup = min(100, max(n_steps // 10, 1))
+
+    def lr_at(step):  # linear warm-up, then cosine decay to lr/10
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress = (step - warmup) / max(n_steps - warmup, 1)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    history = []
+    model.train()
+    bar = tqdm(range(n_steps), desc=desc, dynamic_ncols=True, mininterval=0.5)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        x, y = get_batch(data.train, batch_size, seqlen, generator, device)
+        loss = loss_fn(model, x, y)
+        check_finite(loss.item(), step + 1, n_steps, lr, "training loss")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if (step + 1) % eval_interval == 0 or step + 1 == n_steps:
+            history.append({"step": step + 1, "val_loss": validation_loss(model, data, n_batches=10)})
+            check_finite(history[-1]["val_loss"], step + 1, n_steps, lr, "validation loss")  # the last update
+            model.train()
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history[-1]['val_loss']:.3f}")
+        elif step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return history
+
+
+def uptrain_budget(preset, steps=None, lr=None):
+    """Steps (default: 5% of the checkpoint's training) and peak learning rate (default: the preset's / 3)
+    of the short training that follows a conversion."""
+    return (steps if steps is not None else max(1, round(0.05 * preset.iters)),
+            lr if lr is not None else preset.lr / 3)
+
+
+def uptrain(model, data, preset, steps, lr, seed, name):
+    """Validation loss before and after `steps` of training (train_steps' own 10-batch figure is not used:
+    both figures come from the same validation_loss batches as every other script's)."""
+    before = validation_loss(model, data)
+    train_steps(model, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed, eval_interval=steps,
+                desc=f"uptraining {name}")
+    return before, validation_loss(model, data)
+
+
+@torch.inference_mode()
+def cached_matches_full(model, window, atol=1e-4):
+    """Prefill half of `window` [B, S], decode the rest one token at a time: the logits of the full pass
+    within `atol` (float32)? For models whose forward takes and returns a cache."""
+    full, _ = model(window)
+    half = window.shape[1] // 2
+    logits, cache = model(window[:, :half])
+    steps = [logits]
+    for t in range(half, window.shape[1]):
+        logits, cache = model(window[:, t:t + 1], cache)
+        steps.append(logits)
+    return (torch.cat(steps, dim=1) - full).abs().max().item() <= atol
+
+
+def teacher_loss_fn(teacher, loss):
+    """A train_steps loss_fn(model, x, y) = loss(student_logits, teacher_logits, targets=y), the frozen
+    teacher's logits computed without gradient (the teacher is put in eval mode: no dropout in its labels)."""
+    teacher.eval()
+
+    def loss_fn(student, x, y):
+        with torch.no_grad():
+            logits_teacher = logits_of(teacher(x))  # [B, S, vocab]
+        return loss(logits_of(student(x)), logits_teacher, targets=y)
+    return loss_fn
+
