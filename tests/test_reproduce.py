@@ -1,7 +1,9 @@
 """reproduce.py's renderer on small fake results, and its runner on tiny stand-in scripts (seconds)."""
 import json
+import os
 
 import pytest
+import torch
 
 import reproduce
 from reproduce import ReproduceError, Run
@@ -53,28 +55,18 @@ def test_a_missing_or_repeated_marker_is_a_clear_error(text):
         reproduce.replace_block(text, "one", "table", "x", "page.md")
 
 
-def test_find_looks_rows_up_by_variant_name():
-    result = {"script": "s.py", "rows": [{"variant": "MHA", "b": 1}, {"variant": "MHA", "b": 2},
-                                         {"variant": "paged, chunked prefill 16"}, {"variant": "soft + hard"},
-                                         {"variant": "soft labels"}]}
-    assert reproduce.find(result, "MHA", b=2) == {"variant": "MHA", "b": 2}
-    assert reproduce.find(result, "paged, chunked prefill")["variant"] == "paged, chunked prefill 16"
-    with pytest.raises(ReproduceError, match=r"s.py: no single row 'GQA-2' among \['MHA'"):
-        reproduce.find(result, "GQA-2")
-    with pytest.raises(ReproduceError, match="no single row 'soft'"):  # two rows start with it
-        reproduce.find(result, "soft")
-
-
 # ----------------------------------------------------------------------------------------------------
 # The runner, on stand-in scripts in a fake repository.
 
 OK_SCRIPT = """import json, sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 open(args["--plot"], "wb").write(b"png of ok")
-json.dump({"script": "ok.py", "preset": "cpu", "device": "cpu", "untrained": False, "torch": "9.9",
+json.dump({"script": "ok.py", "preset": "cpu", "device": args.get("--device", "cpu"), "untrained": False, "torch": "9.9",
            "columns": [["variant", "variant", "{}"], ["ms", "TPOT ms", "{:.1f}"]],
            "rows": [{"variant": "fast", "ms": 1.26}, {"variant": "slow", "ms": None}],
-           "summary": ["fast / slow: -"]}, open(args["--json"], "w"))
+           "summary": ["fast / slow: -"], "headline": {"technique": "ok technique", "figure": "TPOT 1.26 ms"},
+           "tables": [{"title": "An extra table:", "columns": [["x", "x", "{:.2f}"]], "rows": [{"x": 0.5}]}]},
+          open(args["--json"], "w"))
 """
 FAIL_SCRIPT = """import sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
@@ -115,9 +107,7 @@ def fake_repo(tmp_path, monkeypatch):
             Run("bad", "bad.py", "docs/page.md", "bad", "bad plot")]
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
     monkeypatch.setattr(reproduce, "RUNS", runs)
-    monkeypatch.setattr(reproduce, "HEADLINES", {
-        "ok": lambda r: ("ok technique", f"TPOT {reproduce.find(r, 'fast')['ms']} ms"),
-        "bad": lambda r: ("bad technique", "never shown")})
+    monkeypatch.setattr(reproduce, "load_average", lambda: 0.5)  # a quiet machine, whatever this one's load
     return tmp_path
 
 
@@ -151,7 +141,7 @@ def test_every_run_succeeds_then_the_one_glance_table_is_rendered(fake_repo):
     assert "| ok technique | TPOT 1.26 ms |" in readme and "[page](docs/page.md)" in readme
     assert "old summary" not in readme and readme.startswith("# Fake\n<!-- reproduce:summary:table -->\n")
     (fake_repo / "results" / "ok.json").write_text(
-        (fake_repo / "results" / "ok.json").read_text().replace("1.26", "7.77"))
+        (fake_repo / "results" / "ok.json").read_text().replace("1.26", "7.77"))  # the row and the headline
     reproduce.main(["--skip-run", "--only", "ok.py"])  # re-render from the saved JSON, run nothing
     page = (fake_repo / "docs" / "page.md").read_text()
     assert "| fast | 7.8 |" in page and "TPOT 7.77 ms" in (fake_repo / "README.md").read_text()
@@ -179,4 +169,61 @@ def test_an_unknown_name_after_only_is_an_error_before_any_run(fake_repo, capsys
         reproduce.main(["--only", "main_nothing.py"])
     assert exit_info.value.code == 2
     assert "--only main_nothing.py: choose among bad, bad.py, ok, ok.py" in capsys.readouterr().err
+    assert not (fake_repo / "results").exists()
+
+
+def test_the_extra_tables_of_a_script_are_rendered_under_its_table(fake_repo):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    reproduce.main([])
+    page = (fake_repo / "docs" / "page.md").read_text()
+    assert "An extra table:\n\n| x |\n| ---: |\n| 0.50 |" in page
+
+
+def test_gpu_results_go_into_their_own_blocks_beside_the_cpu_ones(fake_repo, monkeypatch):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    reproduce.main([])
+    cpu_page, cpu_readme = (fake_repo / "docs" / "page.md").read_text(), (fake_repo / "README.md").read_text()
+    monkeypatch.setattr(reproduce.harness, "get_device", lambda name: torch.device(name or "cpu"))  # no GPU here
+    reproduce.main(["--device", "cuda"])
+    page, readme = (fake_repo / "docs" / "page.md").read_text(), (fake_repo / "README.md").read_text()
+    cpu_block = cpu_page[cpu_page.index("<!-- reproduce:ok:table -->"):cpu_page.index("<!-- /reproduce:ok:table -->")]
+    assert cpu_block in page  # the CPU figures stay
+    gpu_block = page[page.index("<!-- reproduce:ok:table:cuda -->"):page.index("<!-- /reproduce:ok:table:cuda -->")]
+    assert "device `cuda`" in gpu_block and "device `cuda`" not in cpu_block
+    assert page.index("<!-- /reproduce:ok:table -->") < page.index("<!-- reproduce:ok:table:cuda -->")
+    assert "![ok plot](ok_cuda.png)" in page and "![ok plot](ok_cpu.png)" in page
+    assert (fake_repo / "docs" / "ok_cpu.png").exists() and (fake_repo / "docs" / "ok_cuda.png").exists()
+    assert (fake_repo / "results" / "cuda" / "ok.json").is_file() and (fake_repo / "results" / "ok.json").is_file()
+    assert cpu_readme[:cpu_readme.index("<!-- /reproduce:summary:table -->")] in readme
+    assert "<!-- reproduce:summary:table:cuda -->" in readme
+
+
+def test_a_busy_machine_does_not_replace_the_pages_unless_told(fake_repo, monkeypatch):
+    monkeypatch.setattr(reproduce, "load_average", lambda: 6.0 * (os.cpu_count() or 1))
+    with pytest.raises(ReproduceError, match="machine is busy.*--busy-ok"):
+        reproduce.main([])
+    assert not (fake_repo / "results").exists() and (fake_repo / "docs" / "page.md").read_text() == DOCS
+    reproduce.main(["--only", "ok", "--busy-ok"])
+    assert "| fast | 1.3 |" in (fake_repo / "docs" / "page.md").read_text()
+
+
+def test_a_run_that_started_on_a_busy_machine_keeps_its_block(fake_repo, monkeypatch):
+    reproduce.main(["--only", "ok"])
+    saved = fake_repo / "results" / "ok.json"
+    result = json.loads(saved.read_text())
+    result["reproduce"]["load_average"] = 6.0 * (os.cpu_count() or 1)
+    result["rows"][0]["ms"] = 9.99
+    saved.write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match="busy when it ran"):
+        reproduce.main(["--only", "ok", "--skip-run"])
+    assert "| fast | 1.3 |" in (fake_repo / "docs" / "page.md").read_text()
+    reproduce.main(["--only", "ok", "--skip-run", "--busy-ok"])
+    assert "| fast | 10.0 |" in (fake_repo / "docs" / "page.md").read_text()
+
+
+def test_out_on_a_file_is_an_error_before_any_run(fake_repo, capsys):
+    (fake_repo / "a_file").write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["--out", str(fake_repo / "a_file")])
+    assert exit_info.value.code == 2 and "is a file: give a folder" in capsys.readouterr().err
     assert not (fake_repo / "results").exists()
