@@ -1,0 +1,95 @@
+"""The repository's shape, as the issue "One house" defines it: no import cycle among the project's modules,
+the model files import no project module inside a function, inference_utils.py stays a few helpers, every
+script's main() fits on a screen, and the repository has one median."""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {f"lib.{p.stem}": p for p in (ROOT / "lib").glob("*.py")}
+
+
+def is_main_guard(node):
+    """`if __name__ == "__main__":`: run as a script, a file is the module __main__, not the module that
+    others import, so an import there closes no cycle."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+
+def imported(node):
+    """The project modules that one import statement names."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif node.module == "lib":
+        names = [f"lib.{a.name}" for a in node.names]
+    else:
+        names = [node.module]
+    return [n for n in names if n in MODULES]
+
+
+def module_imports(path):
+    """Every project import of a file outside its main guard, each with whether it sits in a function."""
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if is_main_guard(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.extend((name, in_function) for name in imported(child))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def test_no_import_cycle_among_the_project_modules():
+    graph = {name: {m for m, _ in module_imports(path)} for name, path in MODULES.items()}
+    done, path = set(), []
+
+    def walk(name):
+        if name in path:
+            cycle = path[path.index(name):] + [name]
+            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+        if name in done:
+            return
+        path.append(name)
+        for other in sorted(graph[name]):
+            walk(other)
+        path.pop()
+        done.add(name)
+    for name in sorted(graph):
+        walk(name)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("gptlite")))
+def test_the_model_files_import_no_project_module_inside_a_function(name):
+    inside = [m for m, in_function in module_imports(MODULES[name]) if in_function]
+    assert not inside, f"{name} imports {inside} inside a function"
+
+
+def test_inference_utils_is_a_few_helpers():
+    n_lines = len((ROOT / "inference_utils.py").read_text().splitlines())
+    assert n_lines <= 350, f"inference_utils.py has {n_lines} lines"
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("main_*.py")), ids=lambda p: p.name)
+def test_every_main_fits_on_a_screen(path):
+    mains = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assert len(mains) == 1, f"{path.name} has no main()"
+    length = mains[0].end_lineno - mains[0].lineno + 1
+    assert length <= 45, f"{path.name}: main() is {length} lines"
+
+
+def test_one_median_in_the_repository():
+    """Timings and figures over repeats all go through inference_utils.median, the one median."""
+    other = re.compile(r"statistics\.median|median_low|median_high|np\.median\(|torch\.median\(|"
+                       r"sorted\([^)]*\)\[len\([^)]*\) // 2\]")
+    sources = [p for p in sorted(ROOT.glob("*.py")) + sorted((ROOT / "lib").glob("*.py")) if p.name != "inference_utils.py"]
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sources for i, line in enumerate(p.read_text().splitlines(), 1)
+             if other.search(line)]
+    assert not found, f"medians outside inference_utils.median: {found}"
+    defined = [f"{p.name}:{n.name}" for p in sources for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.FunctionDef) and n.name == "median"]
+    assert not defined, f"another median function: {defined}"
