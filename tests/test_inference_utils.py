@@ -541,3 +541,61 @@ def test_require_checks_names_every_failed_check():
     harness.require_checks({"same tokens": True, "same logits": True})
     with pytest.raises(GPTliteError, match=r"checks failed: same logits; cache; this is a bug"):
         harness.require_checks({"same tokens": True, "same logits": False, "cache": False})
+
+
+# --- load or train: one rule for every trained file ------------------------------------------------
+
+def tiny_cached(path, train, stamp=None, rebuild="python main_x.py --preset tiny"):
+    data = synthetic_data()
+    config = tiny_preset_for(data).model_config()
+    torch.manual_seed(0)
+    return iu.cached_model(GPTlite(**config), config, path, train, data.vocab, rebuild, stamp=stamp)
+
+
+def test_cached_model_reuses_a_file_of_the_same_stamp_and_retrains_a_stale_one(tmp_path):
+    path, calls = tmp_path / "derived.pt", []
+
+    def train(model):
+        calls.append(1)
+        with torch.no_grad():
+            model.fc_out.bias.fill_(len(calls))
+    first, seconds = tiny_cached(path, train, stamp={"steps": 1, "base_sha256": "a"})
+    again, seconds_again = tiny_cached(path, train, stamp={"steps": 1, "base_sha256": "a"})
+    assert calls == [1] and seconds is not None and seconds_again is None
+    assert torch.equal(first.fc_out.bias, again.fc_out.bias)
+    for stamp in ({"steps": 2, "base_sha256": "a"}, {"steps": 2, "base_sha256": "b"}):  # recipe, then base
+        model, _ = tiny_cached(path, train, stamp=stamp)
+        assert torch.all(model.fc_out.bias == len(calls))
+        assert files.load_checkpoint(path)["meta"]["stamp"] == stamp
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("damage", [an_edited_weight, no_checksum, a_nan_weight])
+def test_a_damaged_derived_checkpoint_names_a_command_that_really_rebuilds_it(tmp_path, damage):
+    """The script loads its file before it would train: its own command alone would fail the same way, so
+    the error says to delete the file first; doing so does rebuild it."""
+    path, calls = tmp_path / "derived.pt", []
+    tiny_cached(path, lambda m: calls.append(1))
+    torch.save(damage(torch.load(path, weights_only=True)), path)
+    with pytest.raises(CheckpointError, match=f"rebuild it with: rm {path} && python main_x.py --preset tiny$"):
+        tiny_cached(path, lambda m: calls.append(1))
+    path.unlink()  # what the message says, then the script's command
+    tiny_cached(path, lambda m: calls.append(1))
+    assert calls == [1, 1] and files.load_checkpoint(path)["meta"]["stamp"] is None
+
+
+def test_any_start_up_removes_the_temp_files_of_killed_saves(tmp_path, monkeypatch, real_data):
+    """A killed save leaves <name>.tmp<pid>: the next start of any script removes it, not only the next write
+    of the same path. A live process's temp file stays (it may be writing)."""
+    monkeypatch.setattr(harness, "ROOT", tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / "checkpoints" / f"cpu_rope.pt.tmp{dead.pid}", tmp_path / f"out.json.tmp{dead.pid}"]
+    alive = tmp_path / "checkpoints" / f"cpu.pt.tmp{os.getpid()}"
+    for p in stale + [alive]:
+        p.write_bytes(b"half")
+    parser = harness.script_parser("a script")
+    args = parser.parse_args(["--device", "cpu", "--data", os.environ["GPTLITE_DATA"]])
+    harness.setup(args, parser)
+    assert not any(p.exists() for p in stale) and alive.exists()
