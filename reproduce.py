@@ -297,16 +297,18 @@ def plot_block(run, result):
             f"{run_info['machine']}, device `{result['device']}`.*" + (UNTRAINED if result.get("untrained") else ""))
 
 
+def summary_row(run, result):
+    """One run's row of the README's one-glance table: its headline, as its script worded it in its JSON."""
+    title = Path(run.page).stem.replace("_", " ")
+    page = "[above](#kv-cache)" if run.page == SUMMARY[0] else f"[{title}]({run.page})"
+    run_info = result["reproduce"]
+    return {"technique": result["headline"]["technique"], "figure": result["headline"]["figure"], "page": page,
+            "run": f"{run_info['date']}, {run_info['seconds']} s"}
+
+
 def summary_block(results):
-    """The README's one-glance table: each run's headline, as its script worded it in its JSON."""
-    rows = []
-    for run in RUNS:
-        result = results[run.name]
-        title = Path(run.page).stem.replace("_", " ")
-        page = "[above](#kv-cache)" if run.page == SUMMARY[0] else f"[{title}]({run.page})"
-        run_info = result["reproduce"]
-        rows.append({"technique": result["headline"]["technique"], "figure": result["headline"]["figure"],
-                     "page": page, "run": f"{run_info['date']}, {run_info['seconds']} s"})
+    """The README's one-glance table from every run's results."""
+    rows = [summary_row(run, results[run.name]) for run in RUNS]
     columns = [("technique", "technique", "{}"), ("figure", "headline figure", "{}"), ("run", "run", "{}"),
                ("page", "page", "{}")]
     machines = sorted({f"{results[run.name]['reproduce']['machine']}, torch {results[run.name]['torch']}, device "

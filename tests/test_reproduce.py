@@ -1,6 +1,9 @@
 """reproduce.py's renderer on small fake results, and its runner on tiny stand-in scripts (seconds)."""
+import argparse
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -227,3 +230,28 @@ def test_out_on_a_file_is_an_error_before_any_run(fake_repo, capsys):
         reproduce.main(["--out", str(fake_repo / "a_file")])
     assert exit_info.value.code == 2 and "is a file: give a folder" in capsys.readouterr().err
     assert not (fake_repo / "results").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every real script's JSON renders: its table block and its one-glance row, from its own headline.
+
+@pytest.mark.parametrize("run", reproduce.RUNS, ids=lambda run: run.name)
+def test_each_headline_renders_from_its_scripts_real_json(run, tmp_path):
+    """The script's --quick run (random weights, its smallest flags), as `python reproduce.py --quick` runs
+    it; reproduce.py renders what its JSON holds and looks up no row of its own."""
+    out = tmp_path / f"{run.name}.json"
+    command = [sys.executable, *reproduce.command(run, argparse.Namespace(quick=True, device="cpu")), "--json", str(out)]
+    done = subprocess.run(command, cwd=reproduce.ROOT, capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    result["reproduce"] = {"command": " ".join(command[1:]), "machine": "test", "date": "today", "seconds": 1,
+                           "load_average": 0.0}
+    headline = result["headline"]
+    assert set(headline) == {"technique", "figure"} and all(isinstance(v, str) and v for v in headline.values())
+    row = reproduce.summary_row(run, result)
+    assert row["technique"] == headline["technique"] and row["figure"] == headline["figure"]
+    block = reproduce.table_block(result)
+    assert block.count("\n| ") >= 2 + len(result["rows"])  # header, rule and one line per row, at least
+    for table in result.get("tables") or []:
+        assert table["title"] in block
