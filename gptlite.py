@@ -8,8 +8,6 @@ position embeddings, pre-LayerNorm blocks of multi-head attention and a ReLU MLP
 Every other model of this repository (KV cache, GQA, MLA, pruned, distilled) loads this model's
 state dict where the architecture matches, so the attribute names below are part of the interface.
 """
-import argparse
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -154,21 +152,9 @@ def generate(model, prompt, n_tokens, seqlen):
     return tokens
 
 
-def main():
-    parser = argparse.ArgumentParser(description="Train a GPTlite checkpoint and print a generated sample.")
-    harness.add_model_args(parser)
-    parser.add_argument("--iters", type=harness.int_at_least(1), default=None, help="training steps (default: the preset's)")
-    parser.add_argument("--sample-tokens", type=harness.int_at_least(1), default=300, help="length of the printed sample")
-    args = parser.parse_args()
-    preset, device, data = harness.setup(args, parser)
-    model = iu.train_checkpoint(preset, data, device, iters=args.iters, seed=args.seed)  # a diverged run saves nothing
-    prompt = torch.tensor([data.encode("\n")], device=device)
-    sample = generate(model.eval(), prompt, args.sample_tokens, model.seqlen)
-    print(data.decode(sample[0, 1:].tolist()))  # without the prompt's newline
-
-
 if __name__ == "__main__":
     # Run as a script this file is the module __main__, and inference_utils imports the module gptlite,
     # another module object: this import closes no cycle (importing gptlite never imports inference_utils).
     import inference_utils as iu
-    harness.run(main)
+    harness.run(lambda: harness.training_cli("Train a GPTlite checkpoint and print a generated sample.",
+                                             iu.train_checkpoint, lambda m, p, n: generate(m, p, n, m.seqlen), 300))

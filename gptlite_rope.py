@@ -8,8 +8,6 @@ absolute: a cached key carries the position it was computed at, so it cannot be 
 holds the keys *before* rotation and rotates them at attention time by their slot in the cache, so an
 evicted entry lets the later ones move up a position: StreamingLLM's "positions within the cache".
 """
-import argparse
-
 import torch
 import torch.nn as nn
 
@@ -121,22 +119,16 @@ def load_rope(preset, device, data, untrained=False, seed=0):
                            rebuild_command(preset), stamp=recipe, untrained=untrained, retrains=True)[0]
 
 
-def main():
-
-    parser = argparse.ArgumentParser(description="Train the rotary-position GPTlite and print a sample.")
-    harness.add_model_args(parser)
-    parser.add_argument("--iters", type=harness.int_at_least(1), default=None, help="training steps (default: the preset's)")
-    parser.add_argument("--sample-tokens", type=harness.int_at_least(1), default=200, help="length of the printed sample")
-    args = parser.parse_args()
-    preset, device, data = harness.setup(args, parser)
-    model = train_rope(preset, data, device, iters=args.iters, seed=args.seed)
-    tokens = torch.tensor([data.encode("\n")], device=device)
-    with torch.inference_mode():
-        for _ in range(args.sample_tokens):  # greedy, re-encoding the last seqlen tokens
-            logits, _ = model(tokens[:, -model.seqlen:])
-            tokens = torch.cat([tokens, logits[:, -1:].argmax(dim=-1)], dim=1)
-    print(data.decode(tokens[0, 1:].tolist()))
+@torch.inference_mode()
+def sample(model, prompt, n_tokens):
+    """Greedy, re-encoding the last seqlen tokens (no cache): the printed sample of the command line."""
+    tokens = prompt
+    for _ in range(n_tokens):
+        logits, _ = model(tokens[:, -model.seqlen:])
+        tokens = torch.cat([tokens, logits[:, -1:].argmax(dim=-1)], dim=1)
+    return tokens
 
 
 if __name__ == "__main__":
-    harness.run(main)
+    harness.run(lambda: harness.training_cli("Train the rotary-position GPTlite and print a sample.", train_rope,
+                                             sample, 200))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lib.corpus import load_data
-from lib.errors import CheckpointError, DataError, GPTliteError, TrainingDiverged  # noqa: F401  (the scripts' errors)
+from lib.errors import GPTliteError
 from lib.files import OUTPUT_DIRS, ROOT, atomic_file, atomic_write_bytes, sweep_stale_temps
 from lib.presets import PRESETS, get_preset
 
@@ -163,6 +163,22 @@ def table(title, rows, columns=None):
     """An extra table of a script's results: a title line, its rows and their [key, header, format] columns
     (default: as the main table chooses them)."""
     return dict(title=title, columns=[list(c) for c in (columns or table_columns(rows))], rows=rows)
+
+
+def training_cli(description, train, sample, sample_tokens, argv=None):
+    """The command line of a model file (python gptlite.py --preset cpu): train its checkpoint with the
+    preset's recipe, `train(preset, data, device, iters=, seed=)`, then print a greedy sample of it,
+    `sample(model, prompt, n_tokens)` -> [1, 1 + n_tokens] token ids."""
+    parser = argparse.ArgumentParser(description=description)
+    add_model_args(parser)
+    parser.add_argument("--iters", type=int_at_least(1), default=None, help="training steps (default: the preset's)")
+    parser.add_argument("--sample-tokens", type=int_at_least(1), default=sample_tokens,
+                        help="length of the printed sample")
+    args = parser.parse_args(argv)
+    preset, device, data = setup(args, parser)
+    model = train(preset, data, device, iters=args.iters, seed=args.seed)  # a diverged run saves nothing
+    prompt = torch.tensor([data.encode("\n")], device=device)
+    print(data.decode(sample(model.eval(), prompt, args.sample_tokens)[0, 1:].tolist()))  # without the newline
 
 
 def require_checks(checks):
