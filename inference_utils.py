@@ -20,6 +20,9 @@ from lib.files import atomic_file, checkpoint_path, gptlite_command, load_checkp
 from lib.training import logits_of, train_steps
 
 
+# ----------------------------------------------------------------------------------------------------
+# Model loading: load or train, one rule for every trained file.
+
 def preset_recipe(preset, iters=None, seed=0):
     """How a preset's checkpoint is trained (gptlite.py's recipe): the stamp its file carries."""
     return dict(iters=iters or preset.iters, batch_size=preset.batch_size, seqlen=preset.seqlen, lr=preset.lr,
@@ -130,6 +133,9 @@ def model_size_mb(model):
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
+
+# ----------------------------------------------------------------------------------------------------
+# Timing and memory: one round-robin timer, one median.
 
 def synchronize(device):
     if torch.device(device).type == "cuda":
@@ -270,6 +276,9 @@ def kv_cache_bytes(kv_cache):
         raise TypeError(f"cannot count the bytes of a {type(kv_cache).__name__}")
     return kv_cache.nbytes
 
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation: a model's size and generation figures, checked against generation without a cache.
 
 def n_params(model):
     return sum(p.numel() for p in model.parameters())
