@@ -228,7 +228,8 @@ def test_a_diverged_lora_training_names_alpha_and_the_learning_rate(real_data, t
     monkeypatch.setattr(iu, "train_steps", lambda *a, **k: train_steps(*a, **{**k, "loss_fn": nan_loss}))
     with pytest.raises(iu.TrainingDiverged, match=r"training diverged: the training loss is nan at step 1 of 2 \(LoRA "
                                                   r"alpha 4, so a scale alpha / r = 2, and peak learning rate 0.01\); "
-                                                  r"rerun with a lower alpha or a lower learning rate. Nothing was saved"):
+                                                  r"rerun with a lower alpha or a lower learning rate. "
+                                                  r"Nothing was saved"):
         main_multi_lora.train_adapter(base, slice_data, args, preset, "TRANIO")
     with pytest.raises(iu.TrainingDiverged, match=r"at step 1 of 2 \(peak learning rate 0.01\); rerun with a lower "
                                                   r"learning rate. Nothing was saved"):  # elsewhere: as it was
