@@ -125,20 +125,23 @@ REPEAT = re.compile(r"\{(\d+), (-?\d+)\}")
 
 def parse_printed(printed, vocab):
     """XGrammar's printed normal form -> (root name, {rule: expression}, has lookahead). Expressions:
-    ("text", s), ("class", the vocabulary characters it allows, star), ("ref", rule, least, most: -1 for
-    no bound), ("seq", [...]), ("alt", [...]). A lookahead assertion `(=(...))` after a rule is skipped."""
+    ("text", s), ("class", the vocabulary characters it allows, star), ("ref", rule), ("repeat",
+    expression, least, most: -1 for no bound), ("seq", [...]), ("alt", [...]). A lookahead assertion
+    `(=(...))` after a rule is skipped. A construct it does not know is a ValueError that says so."""
     rules, root, lookahead = {}, None, False
     for line in printed.splitlines():
         if not line.strip():
             continue
         head = RULE.match(line)
         if head is None:
-            raise ValueError(f"cannot read XGrammar's printed rule {line!r}")
+            raise ValueError(f"cannot read XGrammar's printed rule {line!r} (a construct structured_decoding.py "
+                             f"does not know yet)")
         expr, i = parse_alt(line, head.end(), vocab)
         if line[i:].lstrip().startswith("(="):  # a lookahead: what may follow the rule, not part of it
             lookahead, i = True, len(line)
         if i != len(line):
-            raise ValueError(f"cannot read XGrammar's printed rule {line!r} at {i}")
+            raise ValueError(f"cannot read XGrammar's printed rule {line!r} at {i} (a construct "
+                             f"structured_decoding.py does not know yet)")
         rules[head.group(1)] = expr
         root = root or head.group(1)
     return root, rules, lookahead
@@ -190,19 +193,21 @@ def parse_seq(src, i, vocab):
             items.append(("class", allowed, star))
         elif c == "(":
             inner, i = parse_alt(src, i + 1, vocab)
-            if src[i] != ")":
-                raise ValueError(f"cannot read XGrammar's printed grammar at {src[i:i + 20]!r}")
+            if i == len(src) or src[i] != ")":
+                raise ValueError(f"cannot read XGrammar's printed grammar at {src[i:i + 20]!r} (a construct "
+                                 f"structured_decoding.py does not know yet)")
             items.append(inner)
             i += 1
         else:
             name = NAME.match(src, i)
             if name is None:
-                raise ValueError(f"cannot read XGrammar's printed grammar at {src[i:i + 20]!r}")
-            i, least, most = name.end(), 1, 1
-            repeat = REPEAT.match(src, i)
-            if repeat:
-                i, least, most = repeat.end(), int(repeat.group(1)), int(repeat.group(2))
-            items.append(("ref", name.group(), least, most))
+                raise ValueError(f"cannot read XGrammar's printed grammar at {src[i:i + 20]!r} (a construct "
+                                 f"structured_decoding.py does not know yet)")
+            items.append(("ref", name.group()))
+            i = name.end()
+        repeat = REPEAT.match(src, i)  # {least, most} after a rule (or a group)
+        if repeat:
+            items[-1], i = ("repeat", items[-1], int(repeat.group(1)), int(repeat.group(2))), repeat.end()
 
 
 def shorter(a, b):
@@ -221,8 +226,10 @@ def shortest_of(expr, table):
         one = allowed[:1] or None
         return ("" if star else one), one
     if kind == "ref":
-        _, name, least, most = expr
-        empty, nonempty = table[name]
+        return table[expr[1]]
+    if kind == "repeat":
+        _, inner, least, most = expr
+        empty, nonempty = shortest_of(inner, table)
         copies = max(least, 1)  # one non-empty copy, the others as short as they go
         all_shortest = "" if least == 0 else (None if empty is None else empty * least)
         if nonempty is None or (most != -1 and most < copies) or (copies > 1 and empty is None):
@@ -275,9 +282,11 @@ class CharGrammar:
     sentence in the vocabulary (an empty regex, `root ::= ""`, a class of characters all outside it: the
     decoder would meet a dead end after the prefill).
 
-    .shortest is a shortest non-empty sentence and .min_chars its length (shortest_sentence, checked
-    here by the engine; a grammar with a lookahead assertion: a lower bound, .shortest None when the
-    engine refuses it). constrained_generate refuses a prompt, window and max_chars it cannot fit in."""
+    .shortest is a shortest non-empty sentence and .min_chars its length: shortest_sentence's length
+    is never above the true one (equal without lookahead assertions, which it does not read), and the
+    engine accepts its witness here, so it is exact; when the engine refuses it (a lookahead), min_chars
+    is a lower bound and .shortest None. constrained_generate refuses a prompt, window and max_chars
+    the shortest sentence cannot fit in."""
 
     def __init__(self, source, vocab, kind="ebnf"):
         if kind not in ("ebnf", "regex"):
