@@ -10,6 +10,8 @@ serve a batch whose requests use different adapters:
   mixed batch. The model is GPTlite_KVCache itself (`multi_lora_model` swaps the linears in), so the KV
   cache, prefill and decode are the repository's, unchanged.
 """
+import math
+import numbers
 import re
 
 import torch
@@ -25,16 +27,31 @@ LORA_TARGETS = ("query_proj", "key_proj", "value_proj", "out_proj", "ffwd.net.0"
 ATTENTION_TARGETS = ("query_proj", "key_proj", "value_proj", "out_proj")
 
 
-def check_lora_args(rank, targets):
-    """Clear errors for a rank below 1 or a target that is not a linear layer of GPTlite."""
+def check_lora_args(rank, targets, alpha=None, model=None):
+    """Clear errors for a rank below 1 (or, given the model, above a targeted layer's min(in, out)
+    features: B A would not be low-rank), an alpha that is not a positive finite number (NaN weights
+    would then serve token 0 forever) or a target that is not a linear layer of GPTlite. A single
+    string is one target. Returns the targets as a tuple."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"LoRA rank must be an integer of at least 1, got {rank!r}")
-    targets = tuple(targets)
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+                              or not math.isfinite(alpha) or alpha <= 0):
+        raise ValueError(f"LoRA alpha must be a positive finite number (the update is scaled by alpha / r), got "
+                         f"{alpha!r}; leave it out for the default 2 * rank")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if not targets or unknown:
-        raise ValueError(f"unknown LoRA target module(s) {unknown or targets}; choose among {', '.join(LORA_TARGETS)}")
+        raise ValueError(f"unknown LoRA target module(s) {unknown or list(targets)}; choose among "
+                         f"{', '.join(LORA_TARGETS)} (one name, or a list of names)")
     if len(set(targets)) != len(targets):
         raise ValueError(f"LoRA target modules repeated: {targets}; name each once")
+    if model is not None:
+        for t in targets:
+            layer = target_linear(model.blocks[0], t)
+            if rank > min(layer.in_features, layer.out_features):
+                raise ValueError(f"LoRA rank {rank} is larger than the layer {t} ({layer.in_features} -> "
+                                 f"{layer.out_features} features): the rank must be at most "
+                                 f"{min(layer.in_features, layer.out_features)}, the smaller of the two")
     return targets
 
 
@@ -59,7 +76,7 @@ class LoRAAdapter(nn.Module):
 
     def __init__(self, model, rank, targets=ATTENTION_TARGETS, alpha=None):
         super().__init__()
-        self.rank, self.targets = rank, check_lora_args(rank, targets)
+        self.rank, self.targets = rank, check_lora_args(rank, targets, alpha, model)
         self.alpha = float(alpha if alpha is not None else 2 * rank)
         self.scaling = self.alpha / rank
         linears = [target_linear(b, t) for b in model.blocks for t in self.targets]
@@ -71,9 +88,38 @@ class LoRAAdapter(nn.Module):
     def config(self):
         return dict(rank=self.rank, alpha=self.alpha, targets=list(self.targets))
 
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """nn.Module's, after a clear error for the state dict of another adapter shape: another rank
+        (both named), other targets, or a model of other widths (torch would raise a size mismatch)."""
+        own = self.state_dict()
+        if set(state_dict) != set(own) and strict:
+            raise ValueError(f"the state dict holds {len(state_dict) // 2} A/B pairs, this adapter {len(own) // 2} "
+                             f"({len(self.targets)} targets x {len(self.names) // len(self.targets)} blocks): build "
+                             f"the LoRAAdapter with the targets and model the state dict was saved from")
+        ranks = sorted({v.shape[0 if name.startswith("A.") else 1] for name, v in state_dict.items()
+                        if name in own and v.dim() == 2})  # A: [r, in], B: [out, r]
+        if ranks and ranks != [self.rank]:
+            raise ValueError(f"the state dict holds a rank-{'/'.join(map(str, ranks))} adapter, this LoRAAdapter "
+                             f"has rank {self.rank}: build it with rank={ranks[0]} (and that adapter's alpha and "
+                             f"targets) to load it")
+        for name, v in state_dict.items():
+            if name in own and tuple(v.shape) != tuple(own[name].shape):
+                raise ValueError(f"the state dict's {name} is {tuple(v.shape)}, this adapter's is "
+                                 f"{tuple(own[name].shape)}: it was saved for a model of other widths or other "
+                                 f"targets")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def delta(self, i):
         """The update of the i-th targeted weight, s * B A: [out, in]."""
         return self.scaling * self.B[i] @ self.A[i]
+
+
+def divergence_hint(rank, alpha, lr):
+    """What a diverged LoRA fine-tuning says (training.train_steps' hint): alpha scales the update, so it is as
+    likely a cause as the learning rate."""
+    alpha = float(alpha if alpha is not None else 2 * rank)
+    return (f"(LoRA alpha {alpha:g}, so a scale alpha / r = {alpha / rank:g}, and peak learning rate {lr:g}); rerun "
+            f"with a lower alpha or a lower learning rate")
 
 
 def random_adapter(model, rank, targets=ATTENTION_TARGETS, alpha=None, seed=0, std=0.02):
@@ -92,7 +138,7 @@ def random_adapter(model, rank, targets=ATTENTION_TARGETS, alpha=None, seed=0, s
 
 def peft_model(model, rank, targets=ATTENTION_TARGETS, alpha=None):
     """The GPTlite `model` wrapped by peft's LoRA (its weights frozen, A and B trainable)."""
-    targets = check_lora_args(rank, targets)  # before peft's slow import
+    targets = check_lora_args(rank, targets, alpha, model)  # before peft's slow import
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
                         target_modules=list(targets), bias="none")

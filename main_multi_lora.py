@@ -27,9 +27,9 @@ import torch
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from gptlite_lora import (ATTENTION_TARGETS, LORA_TARGETS, LoRAAdapter, adapter_from_peft, generate_merged,
-                          generate_multi_lora, merge_adapter, multi_lora_model, peft_model, random_adapter,
-                          slug, speaker_data)
+from gptlite_lora import (ATTENTION_TARGETS, LORA_TARGETS, LoRAAdapter, adapter_from_peft, check_lora_args,
+                          divergence_hint, generate_merged, generate_multi_lora, merge_adapter, multi_lora_model,
+                          peft_model, random_adapter, slug, speaker_data)
 from lib import corpus, files, harness, training
 
 SPEAKERS = ("PETRUCHIO", "PROSPERO", "TRANIO", "KATHARINA")  # the most lines in the validation split
@@ -45,7 +45,8 @@ def train_adapter(base, slice_data, args, preset, speaker):
     """Fine-tune a LoRA adapter on one speaker's turns with peft; the base weights stay frozen."""
     model = peft_model(copy.deepcopy(base), args.rank, args.targets, args.alpha)
     training.train_steps(model, slice_data, args.lora_steps, args.lora_batch_size, preset.seqlen, args.lr,
-                   seed=args.seed, eval_interval=args.lora_steps, desc=f"LoRA {speaker}")
+                         seed=args.seed, eval_interval=args.lora_steps, desc=f"LoRA {speaker}",
+                         hint=divergence_hint(args.rank, args.alpha, args.lr))
     adapter = adapter_from_peft(model, base)
     x = corpus.get_batch(slice_data.val, 4, preset.seqlen, torch.Generator().manual_seed(0), base.fc_out.weight.device)[0]
     with torch.no_grad():
@@ -182,6 +183,12 @@ def parse_args(argv):
             parser.error(f"--adapter-counts: at most --batch-size={args.batch_size} distinct adapters fit in the batch")
         if len(set(args.speakers)) != len(args.speakers):
             parser.error("--speakers: name each speaker once")
+        with torch.device("meta"):  # the preset's layer widths, without weights
+            shape = GPTlite_KVCache(**preset.model_config())
+        try:
+            check_lora_args(args.rank, args.targets, args.alpha, shape)
+        except ValueError as e:
+            parser.error(f"--rank: {e}")
         if args.prompt_len + args.n_tokens > preset.seqlen:
             parser.error(f"--prompt-len + --n-tokens must be at most seqlen={preset.seqlen} (the checks compare "
                          "tokens within the window)")

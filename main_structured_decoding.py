@@ -40,13 +40,38 @@ class Decoded:
     calls: int         # model forward passes (the prefill included)
     mask_s: list       # seconds of each grammar mask (fill the bitmask, apply it)
     forward_s: list    # seconds of each forward pass after the prefill
+    complete: bool = True  # False: max_chars cut the output before the grammar (or stop) ended it
 
 
 @torch.inference_mode()
 def constrained_generate(model, prompt, grammar, max_chars, seqlen, jump_forward=False, stop=None):
     """Greedy decoding of one prompt [1, S] with a cached model, under `grammar` (a CharGrammar; None:
     unconstrained, ended when `stop(tokens)` is true). Ends when the grammar is complete or after
-    max_chars characters. Returns a Decoded: the new tokens, the model calls, the step times."""
+    max_chars characters. Returns a Decoded: the new tokens, the model calls, the step times, and
+    `complete`: whether the output is a sentence of the grammar (unconstrained: whether stop ended it).
+
+    Refused before the prefill (GPTliteError): max_chars below 1 or below the grammar's shortest
+    sentence (no output could be complete), a shortest sentence that does not fit in the window after
+    the prompt, and a prompt plus max_chars past the window (S + max_chars - 1 positions: the last
+    character is not fed back; past seqlen the cache only approximates the model). A cut by max_chars
+    longer than that is not an error, as an LLM API's "length" finish: the text so far comes back with
+    complete False, and a caller that needs a sentence of the grammar checks it."""
+    n_prompt, shortest = prompt.shape[1], grammar.min_chars if grammar else 1
+    if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
+        raise GPTliteError(f"max_chars must be an integer of at least 1, got {max_chars!r}")
+    example = f", e.g. {grammar.shortest!r}" if grammar and grammar.shortest else ""
+    if grammar and n_prompt + shortest - 1 > seqlen:
+        raise GPTliteError(f"the grammar's shortest sentence ({shortest} characters{example}) does not fit after "
+                              f"a prompt of {n_prompt} characters in the model's window of {seqlen}: shorten the "
+                              f"prompt to at most {seqlen - shortest + 1} characters, or the grammar")
+    if max_chars < shortest:
+        raise GPTliteError(f"max_chars={max_chars} is shorter than the grammar's shortest sentence ({shortest} "
+                              f"characters{example}): no output could be complete; give max_chars of at least "
+                              f"{shortest}")
+    if n_prompt + max_chars - 1 > seqlen:
+        raise GPTliteError(f"a prompt of {n_prompt} characters and max_chars={max_chars} need "
+                              f"{n_prompt + max_chars - 1} positions, past the model's window of {seqlen}: give "
+                              f"max_chars of at most {seqlen - n_prompt + 1}, or a shorter prompt")
     device = prompt.device
     matcher = grammar.matcher() if grammar else None
     bitmask = grammar.new_bitmask() if grammar else None
@@ -75,6 +100,7 @@ def constrained_generate(model, prompt, grammar, max_chars, seqlen, jump_forward
         iu.synchronize(device)
         out.forward_s.append(time.perf_counter() - t0)
         out.calls += 1
+    out.complete = matcher.is_completed() if grammar else bool(stop(out.tokens))
     return out
 
 

@@ -18,8 +18,10 @@ Blog section: "Semantic caching".
     and never comes from another model or other sampling parameters;
   - an expiry time (TTL) per entry, checked at lookup (expired entries are dropped first);
   - persistence: `save(path)` / `load(path)` write and read the vectors, the answers and the encoder's
-    name and dimension in one .npz file (no pickle), written to a temporary file and renamed; `load`
-    checks the whole file, and that it was made with this cache's encoder, before changing anything;
+    name and dimension in one .npz file (no pickle) with a checksum of its contents, written to a
+    temporary file and renamed; `load` checks the whole file, its checksum, that it was made with this
+    cache's encoder, and that every stored vector is the embedding of its stored query (re-embedded),
+    before changing anything;
   - `len()` (live entries) and `stats()` (lookups, exact and semantic hits, misses, expired entries).
 """
 import hashlib
@@ -29,13 +31,20 @@ import time
 
 import numpy as np
 
+from lib.files import atomic_file
+
 DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 # Chosen from the threshold sweep of main_semantic_cache.py on semantic_cache_pairs.tsv with
 # all-MiniLM-L6-v2: a wrong answer costs more than a model call, so the highest recall with precision
 # of at least 0.9, in the middle of the gap between the neighbouring pair scores (0.806 and 0.828).
 DEFAULT_THRESHOLD = 0.82
 NORM_TOLERANCE = 1e-3
-FORMAT_VERSION = 2  # 2: the file records the encoder's name (1 did not: such files are refused)
+# load re-embeds every stored query: its stored vector must have a cosine similarity of at least
+# 1 - REEMBED_TOLERANCE to the fresh embedding. The same encoder gives the same vector up to float noise
+# (batched or one at a time, about 1e-6 here); a paraphrase scores about 0.8-0.95, so an edited query or
+# a swapped vector is far below.
+REEMBED_TOLERANCE = 1e-3
+FORMAT_VERSION = 3  # 3: a content checksum; 2: the encoder's name (1 had neither: such files are refused)
 
 
 class SemanticCache:
@@ -127,6 +136,7 @@ def sentence_transformer_embedder(model_name=DEFAULT_ENCODER, device="cpu"):
         return model.encode(text, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
 
     embed.model_name, embed.source, embed.dim = model_name, source, model.get_embedding_dimension()
+    embed.batched = True  # takes a list of texts too: load re-embeds the stored queries in one call
     return embed
 
 
@@ -140,6 +150,33 @@ def encoder_name(embed_fn):
         return name
     named = embed_fn if hasattr(embed_fn, "__qualname__") else type(embed_fn)  # a callable object: its class
     return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
+
+
+def check_saved_name(name):
+    """An encoder_name a save may record: a lambda or a function defined inside another has no name of
+    its own (every lambda of a module gets the same one), so a file could not tell its encoder from
+    another's."""
+    if "<lambda>" in name or "<locals>" in name:
+        raise ValueError(f"embed_fn has no name a saved cache can record ({name!r} could be another encoder's): "
+                         f"give it a .model_name attribute before making the cache, e.g. embed_fn.model_name = "
+                         f"'my-encoder', or use sentence_transformer_embedder")
+    return name
+
+
+def content_checksum(meta, arrays):
+    """The checksum a saved cache stores in meta["checksum"]: sha256, in hex, of the meta record without
+    its checksum as JSON (keys sorted, separators "," and ":", ASCII), then of every array in name
+    order: the JSON [name, dtype.str, shape], then its bytes (C order). It covers queries, answers,
+    expiry times, namespaces (scopes, models, parameters), encoder name, dimension and vectors: it
+    catches a file edited by hand or damaged, not one forged with this function (no secret key)."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True,
+                             separators=(",", ":")).encode())
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 def check_query(query):
@@ -279,22 +316,34 @@ class ScopedSemanticCache:
 
     # -- persistence --------------------------------------------------------------------------------
     def save(self, path):
-        """Vectors and entries of every namespace, and the encoder's name and dimension, to one .npz
-        file, atomically (temp file, then rename). The counts of stats() are not saved."""
-        from lib.files import atomic_file
+        """Vectors and entries of every namespace, the encoder's name and dimension, and a checksum of
+        it all (content_checksum), to one .npz file, atomically (temp file, then rename). The counts of
+        stats() are not saved. An encoder without a name of its own (a lambda: give it .model_name), or
+        whose dimension is unknown (nothing embedded yet and no .dim), is a ValueError before writing."""
+        encoder = check_saved_name(self.encoder)
+        own = getattr(self.embed_fn, "dim", None)
+        dim = self.dim or (own if is_number(own) and own == int(own) and own > 0 else None)
+        if dim is None:
+            raise ValueError("the cache has embedded nothing and embed_fn has no .dim, so the dimension a saved "
+                             "cache records is unknown: give embed_fn a .dim attribute (the length of its "
+                             "vectors), or save after the first query")
         names = list(self.spaces)
-        meta = {"version": FORMAT_VERSION, "encoder": self.encoder, "dim": self.dim, "namespaces": names,
+        meta = {"version": FORMAT_VERSION, "encoder": encoder, "dim": int(dim), "namespaces": names,
                 "entries": [self.spaces[n].answers for n in names]}
         arrays = {f"vectors_{i}": self.spaces[n].index.reconstruct_n(0, self.spaces[n].index.ntotal)
                   for i, n in enumerate(names)}
+        meta["checksum"] = content_checksum(json.loads(json.dumps(meta, allow_nan=False)), arrays)
         with atomic_file(path) as tmp:
             with open(tmp, "wb") as f:
                 np.savez(f, meta=np.frombuffer(json.dumps(meta, allow_nan=False).encode(), dtype=np.uint8), **arrays)
 
     def load(self, path):
         """Replace the contents with those saved at `path`. The whole file is checked first: one that
-        is not a saved cache, or was made with another encoder (name or dimension), is a clear
-        ValueError and leaves the cache as it was. A missing or unreadable file is an OSError."""
+        is not a saved cache or whose checksum does not match its contents, was made with another
+        encoder (name or dimension), or holds a vector that is not its query's embedding by this
+        cache's encoder (every stored query is re-embedded: one encoder call per query, or one call
+        for all with sentence_transformer_embedder's) is a clear ValueError and leaves the cache as it
+        was. A missing or unreadable file is an OSError."""
         with open(path, "rb") as f:  # OSError as it is: the file is not there, or not readable
             try:
                 meta, vectors = read_saved(f)
@@ -303,14 +352,39 @@ class ScopedSemanticCache:
                                  f"({type(e).__name__}: {e}); delete it, or save the cache again") from None
         own = getattr(self.embed_fn, "dim", None)  # sentence_transformer_embedder's know theirs before any embedding
         dim = self.dim or (own if is_number(own) else None)
-        if meta["encoder"] != self.encoder or (None not in (dim, meta["dim"]) and dim != meta["dim"]):
+        if meta["encoder"] != self.encoder or (dim is not None and dim != meta["dim"]):
             raise ValueError(f"{path} was saved with the encoder {meta['encoder']!r} ({meta['dim']} dims) but this "
                              f"cache embeds with {self.encoder!r} ({dim or 'dimension not known yet'} dims): "
                              f"the similarities of two encoders' vectors mean nothing. Load it into a cache made "
                              f"with {meta['encoder']!r}, or delete it and let the cache fill again")
+        for name, stored, entries in zip(meta["namespaces"], vectors, meta["entries"]):
+            self._check_embeddings(path, name, stored, [e["query"] for e in entries], meta["dim"])
         spaces = {name: self._new_space(v, es) for name, v, es in zip(meta["namespaces"], vectors, meta["entries"])}
-        self.spaces, self.dim = spaces, meta["dim"] if meta["dim"] is not None else self.dim
+        self.spaces, self.dim = spaces, meta["dim"]
         self.exact = {self.exact_key(name, e["query"]): e for name, space in spaces.items() for e in space.answers}
+
+    def _check_embeddings(self, path, name, stored, queries, dim):
+        """Every stored vector [n, d] must be its query's embedding by this cache's encoder, within
+        REEMBED_TOLERANCE of cosine similarity: a file whose queries or vectors were edited or swapped
+        would serve one query's answer to another's paraphrases."""
+        try:
+            if getattr(self.embed_fn, "batched", False):
+                fresh = np.concatenate([unit_vector(v, dim) for v in np.asarray(self.embed_fn(queries))])
+            else:
+                fresh = np.concatenate([unit_vector(self.embed_fn(q), dim) for q in queries])
+            if fresh.shape[0] != len(queries):
+                raise ValueError(f"embed_fn returned {fresh.shape[0]} vectors for a list of {len(queries)} texts")
+        except ValueError as e:
+            raise ValueError(f"{path}: re-embedding its queries to check its vectors: {e}") from None
+        similarity = (fresh.astype(np.float64) * stored.astype(np.float64)).sum(axis=1)  # [n], unit vectors
+        worst = int(similarity.argmin())
+        if similarity[worst] < 1 - REEMBED_TOLERANCE:
+            scope, model, params = json.loads(name)
+            raise ValueError(f"{path}: the stored vector of the query {queries[worst]!r} (scope {scope!r}, model "
+                             f"{model!r}, parameters {params}) is not its embedding by {self.encoder!r} (cosine "
+                             f"similarity {similarity[worst]:.4f} to a fresh one, at least {1 - REEMBED_TOLERANCE:g} "
+                             f"expected): its queries or vectors were edited, or swapped. Delete the file and let "
+                             f"the cache fill again, or rebuild it from the right queries and answers and save it")
 
 
 def read_saved(file):
@@ -324,19 +398,20 @@ def read_saved(file):
             raise ValueError("the meta record is not a JSON object")
         if meta.get("version") != FORMAT_VERSION or isinstance(meta.get("version"), bool):
             raise ValueError(f"format version {meta.get('version')!r}, this code reads {FORMAT_VERSION}")
-        if set(meta) != {"version", "encoder", "dim", "namespaces", "entries"}:
-            raise ValueError("the meta record is not {version, encoder, dim, namespaces, entries}")
+        if set(meta) != {"version", "encoder", "dim", "namespaces", "entries", "checksum"}:
+            raise ValueError("the meta record is not {version, encoder, dim, namespaces, entries, checksum}")
+        if meta["checksum"] != content_checksum(meta, {k: npz[k] for k in npz.files if k != "meta"}):
+            raise ValueError("its content checksum does not match its contents: it was edited or damaged after "
+                             "it was saved")
         names, entries, dim = meta["namespaces"], meta["entries"], meta["dim"]
         if not isinstance(meta["encoder"], str) or not meta["encoder"]:
             raise ValueError("no encoder name")
-        if not (dim is None or (isinstance(dim, int) and not isinstance(dim, bool) and dim > 0)):
+        if not (isinstance(dim, int) and not isinstance(dim, bool) and dim > 0):
             raise ValueError(f"dimension {dim!r} is not a positive integer")
         if not isinstance(names, list) or not isinstance(entries, list) or len(names) != len(entries):
             raise ValueError("namespaces and entries are not two lists of the same length")
         if set(npz.files) != {"meta"} | {f"vectors_{i}" for i in range(len(names))}:
             raise ValueError(f"arrays {sorted(npz.files)} for {len(names)} namespaces")
-        if names and dim is None:
-            raise ValueError("entries without a dimension")
         vectors = [npz[f"vectors_{i}"] for i in range(len(names))]
     for name in names:
         check_namespace(name)

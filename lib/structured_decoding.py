@@ -80,8 +80,8 @@ def read_char(src, i):
     if src[i] != "\\":
         return src[i], i + 1
     c = src[i + 1]
-    if c in "xu":
-        n = 2 if c == "x" else 4
+    if c in "xuU":
+        n = {"x": 2, "u": 4, "U": 8}[c]
         return chr(int(src[i + 2:i + 2 + n], 16)), i + 2 + n
     return ESCAPES.get(c, c), i + 2
 
@@ -115,11 +115,178 @@ def grammar_characters(printed):
     return chars
 
 
+# ----------------------------------------------------------------------------------------------------
+# The shortest sentence: a grammar must have a non-empty one that fits the window and max_chars.
+
+RULE = re.compile(r"([A-Za-z_][A-Za-z0-9_\-]*) ::= ")
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
+REPEAT = re.compile(r"\{(\d+), (-?\d+)\}")
+
+
+def parse_printed(printed, vocab):
+    """XGrammar's printed normal form -> (root name, {rule: expression}, has lookahead). Expressions:
+    ("text", s), ("class", the vocabulary characters it allows, star), ("ref", rule), ("repeat",
+    expression, least, most: -1 for no bound), ("seq", [...]), ("alt", [...]). A lookahead assertion
+    `(=(...))` after a rule is skipped. A construct it does not know is a ValueError that says so."""
+    rules, root, lookahead = {}, None, False
+    for line in printed.splitlines():
+        if not line.strip():
+            continue
+        head = RULE.match(line)
+        if head is None:
+            raise ValueError(f"cannot read XGrammar's printed rule {line!r} (a construct structured_decoding.py "
+                             f"does not know yet)")
+        expr, i = parse_alt(line, head.end(), vocab)
+        if line[i:].lstrip().startswith("(="):  # a lookahead: what may follow the rule, not part of it
+            lookahead, i = True, len(line)
+        if i != len(line):
+            raise ValueError(f"cannot read XGrammar's printed rule {line!r} at {i} (a construct "
+                             f"structured_decoding.py does not know yet)")
+        rules[head.group(1)] = expr
+        root = root or head.group(1)
+    return root, rules, lookahead
+
+
+def parse_alt(src, i, vocab):
+    options = []
+    while True:
+        seq, i = parse_seq(src, i, vocab)
+        options.append(seq)
+        j = i
+        while j < len(src) and src[j] == " ":
+            j += 1
+        if j < len(src) and src[j] == "|":
+            i = j + 1
+            continue
+        return ("alt", options), i
+
+
+def parse_seq(src, i, vocab):
+    items = []
+    while True:
+        while i < len(src) and src[i] == " ":
+            i += 1
+        if i == len(src) or src[i] in "|)" or src.startswith("(=", i):
+            return ("seq", items), i
+        c = src[i]
+        if c == '"':
+            chars, i = [], i + 1
+            while src[i] != '"':
+                ch, i = read_char(src, i)
+                chars.append(ch)
+            items.append(("text", "".join(chars)))
+            i += 1
+        elif c == "[":
+            negated = src[i + 1] == "^"
+            i += 2 if negated else 1
+            ranges = []
+            while src[i] != "]":
+                low, i = read_char(src, i)
+                high = low
+                if src[i] == "-" and src[i + 1] != "]":
+                    high, i = read_char(src, i + 1)
+                ranges.append((low, high))
+            i += 1
+            star = i < len(src) and src[i] == "*"
+            i += star
+            allowed = "".join(ch for ch in vocab if any(lo <= ch <= hi for lo, hi in ranges) != negated)
+            items.append(("class", allowed, star))
+        elif c == "(":
+            inner, i = parse_alt(src, i + 1, vocab)
+            if i == len(src) or src[i] != ")":
+                raise ValueError(f"cannot read XGrammar's printed grammar at {src[i:i + 20]!r} (a construct "
+                                 f"structured_decoding.py does not know yet)")
+            items.append(inner)
+            i += 1
+        else:
+            name = NAME.match(src, i)
+            if name is None:
+                raise ValueError(f"cannot read XGrammar's printed grammar at {src[i:i + 20]!r} (a construct "
+                                 f"structured_decoding.py does not know yet)")
+            items.append(("ref", name.group()))
+            i = name.end()
+        repeat = REPEAT.match(src, i)  # {least, most} after a rule (or a group)
+        if repeat:
+            items[-1], i = ("repeat", items[-1], int(repeat.group(1)), int(repeat.group(2))), repeat.end()
+
+
+def shorter(a, b):
+    """The shorter of two witnesses (None: no sentence)."""
+    return b if a is None or (b is not None and len(b) < len(a)) else a
+
+
+def shortest_of(expr, table):
+    """(the shortest sentence of `expr`, the shortest non-empty one), each None when there is none, with
+    the rules' current (shortest, shortest non-empty) in `table`."""
+    kind = expr[0]
+    if kind == "text":
+        return expr[1], expr[1] or None
+    if kind == "class":
+        _, allowed, star = expr
+        one = allowed[:1] or None
+        return ("" if star else one), one
+    if kind == "ref":
+        return table[expr[1]]
+    if kind == "repeat":
+        _, inner, least, most = expr
+        empty, nonempty = shortest_of(inner, table)
+        copies = max(least, 1)  # one non-empty copy, the others as short as they go
+        all_shortest = "" if least == 0 else (None if empty is None else empty * least)
+        if nonempty is None or (most != -1 and most < copies) or (copies > 1 and empty is None):
+            return all_shortest, None
+        return all_shortest, nonempty + empty * (copies - 1)
+    parts = [shortest_of(e, table) for e in expr[1]]
+    if kind == "alt":
+        best, best_nonempty = None, None
+        for empty, nonempty in parts:
+            best, best_nonempty = shorter(best, empty), shorter(best_nonempty, nonempty)
+        return best, best_nonempty
+    # a sequence: every part at its shortest, or one part non-empty and the others at their shortest
+    if any(empty is None for empty, _ in parts):
+        return None, None
+    best = "".join(empty for empty, _ in parts)
+    best_nonempty = best or None
+    for k, (_, nonempty) in enumerate(parts):
+        if nonempty is not None:
+            best_nonempty = shorter(best_nonempty, "".join(parts[j][0] if j != k else nonempty
+                                                           for j in range(len(parts))))
+    return best, best_nonempty
+
+
+def shortest_sentence(printed, vocab):
+    """(the shortest non-empty sentence of a printed grammar written with the characters of `vocab`, or
+    None when it has none; whether the grammar has a lookahead). A fixed point over the rules, from "no
+    sentence", as in Knuth's shortest derivations: each round recomputes every rule from the others and
+    keeps a shorter witness, until nothing changes (lengths only fall, so it ends). Character classes
+    count only their characters in the vocabulary; a lookahead is not read, so with one the length is a
+    lower bound and the witness may be refused."""
+    root, rules, lookahead = parse_printed(printed, vocab)
+    table = {name: (None, None) for name in rules}  # every referenced rule is defined: XGrammar checked
+    changed = True
+    while changed:
+        changed = False
+        for name, expr in rules.items():
+            new = shortest_of(expr, table)
+            old = table[name]
+            merged = (shorter(old[0], new[0]), shorter(old[1], new[1]))
+            if merged != old:
+                table[name], changed = merged, True
+    return table[root][1], lookahead
+
+
 class CharGrammar:
     """A grammar compiled by XGrammar for a character vocabulary (`vocab[i]` is token i).
 
-    kind "ebnf" or "regex". Raises ValueError, before any decoding, when the grammar does not parse or
-    writes a character outside the vocabulary (GPTlite could never produce it)."""
+    kind "ebnf" or "regex". Raises ValueError, before any decoding, when the grammar does not parse,
+    writes a character outside the vocabulary (GPTlite could never produce it), or has no non-empty
+    sentence in the vocabulary (an empty regex, `root ::= ""`, a class of characters all outside it: the
+    decoder would meet a dead end after the prefill).
+
+    .shortest is a shortest non-empty sentence and .min_chars its length: shortest_sentence's length
+    is never above the true one (equal without lookahead assertions, which it does not read), and the
+    engine accepts its witness here, so it is exact; when the engine refuses it (a lookahead), min_chars
+    is a lower bound and .shortest None. constrained_generate refuses a prompt, window and max_chars
+    the shortest sentence cannot fit in."""
 
     def __init__(self, source, vocab, kind="ebnf"):
         if kind not in ("ebnf", "regex"):
@@ -131,12 +298,25 @@ class CharGrammar:
             raise ValueError(f"the {kind} grammar does not parse: {reason}") from None
         outside = sorted(grammar_characters(str(grammar)) - set(vocab))
         if outside:
-            raise ValueError(f"the grammar writes {outside}, characters outside GPTlite's vocabulary (the "
+            shown = repr(outside) if len(outside) <= 12 else f"{repr(outside[:12])[:-1]}, ... {len(outside)} in all]"
+            raise ValueError(f"the grammar writes {shown}, characters outside GPTlite's vocabulary (the "
                              f"{len(vocab)} characters of tiny Shakespeare): write it with the corpus's characters")
+        shortest, lookahead = shortest_sentence(str(grammar), vocab)
+        if shortest is None:
+            raise ValueError(f"the {kind} grammar {source!r} has no non-empty sentence written with GPTlite's "
+                             f"{len(vocab)} characters (it accepts only the empty string, or nothing: a character "
+                             f"class whose characters are all outside the vocabulary, a rule that never ends): "
+                             f"constrained decoding could write nothing it accepts; give it at least one sentence")
         self.source, self.kind, self.vocab = source, kind, vocab
         info = xgr.TokenizerInfo(list(vocab), stop_token_ids=[])  # no end token: the grammar's end stops
         self.compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar(grammar)
         self.python_regex = re.compile(source) if kind == "regex" else None
+        self.min_chars, self.shortest = len(shortest), shortest
+        if not self.accepts(shortest):
+            if not lookahead:  # shortest_sentence read the grammar wrong
+                raise RuntimeError(f"the engine refuses {shortest!r}, the shortest sentence read from the grammar "
+                                   f"{str(grammar)!r}: this is a bug of shortest_sentence")
+            self.shortest = None  # min_chars: a lower bound (the lookahead was not read)
 
     def matcher(self):
         """A fresh matcher: one per sequence; it ends (is_terminated) when the grammar is complete."""

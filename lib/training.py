@@ -35,19 +35,22 @@ def cross_entropy_loss(model, x, y):
     return F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
 
 
-def check_finite(loss, step, n_steps, lr, what):
-    """Stop a diverged run at once: its weights are useless, and the callers save only after training."""
+def check_finite(loss, step, n_steps, lr, what, hint=None):
+    """Stop a diverged run at once: its weights are useless, and the callers save only after training.
+    hint: the likely causes and what to do, after the step (default: the learning rate)."""
     if not math.isfinite(loss):
-        raise TrainingDiverged(f"training diverged: the {what} is {loss} at step {step} of {n_steps} "
-                               f"(peak learning rate {lr:g}); rerun with a lower learning rate. Nothing was saved.")
+        hint = hint or f"(peak learning rate {lr:g}); rerun with a lower learning rate"
+        raise TrainingDiverged(f"training diverged: the {what} is {loss} at step {step} of {n_steps} {hint}. "
+                               f"Nothing was saved.")
 
 
 def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_interval=None,
-                loss_fn=cross_entropy_loss, desc="training"):
+                loss_fn=cross_entropy_loss, desc="training", hint=None):
     """Train `model` for `n_steps` AdamW steps (warm-up, cosine decay, gradient clipping at 1.0).
 
     Returns the validation history [{"step", "val_loss"}], evaluated every `eval_interval` steps
-    and after the last one. `loss_fn(model, x, y)` lets distillation swap the loss."""
+    and after the last one. `loss_fn(model, x, y)` lets distillation swap the loss; `hint` is what a
+    divergence error says about its causes (check_finite)."""
     if n_steps < 1:
         raise ValueError(f"n_steps must be at least 1, got {n_steps}")
     device = next(model.parameters()).device
@@ -70,14 +73,14 @@ def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_inter
             group["lr"] = lr_at(step)
         x, y = get_batch(data.train, batch_size, seqlen, generator, device)
         loss = loss_fn(model, x, y)
-        check_finite(loss.item(), step + 1, n_steps, lr, "training loss")
+        check_finite(loss.item(), step + 1, n_steps, lr, "training loss", hint)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if (step + 1) % eval_interval == 0 or step + 1 == n_steps:
             history.append({"step": step + 1, "val_loss": validation_loss(model, data, n_batches=10)})
-            check_finite(history[-1]["val_loss"], step + 1, n_steps, lr, "validation loss")  # the last update
+            check_finite(history[-1]["val_loss"], step + 1, n_steps, lr, "validation loss", hint)  # the last update
             model.train()
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history[-1]['val_loss']:.3f}")
         elif step % 10 == 0:

@@ -13,8 +13,8 @@ import inference_utils as iu
 import main_multi_lora
 from conftest import TINY
 from gptlite import GPTlite
-from lib.errors import GPTliteError
 from lib import files, presets, training
+from lib.errors import GPTliteError, TrainingDiverged
 
 SEQLEN = TINY["seqlen"]
 TARGETS = ("query_proj", "value_proj", "ffwd.net.0")  # attention and MLP: both kinds of target
@@ -163,6 +163,81 @@ def test_unknown_target_is_refused(tiny_models):
         gl.peft_model(copy.deepcopy(base), 2, ("mha",))
 
 
+@pytest.mark.parametrize("rank, target", [(33, "query_proj"), (25, "query_proj"), (25, "out_proj"),
+                                          (33, "ffwd.net.0"), (1000, "ffwd.net.2")])
+def test_rank_above_the_layer_is_refused(tiny_models, rank, target):
+    """TINY: d_model 32, n_heads * d_head 24, d_ff 128: query_proj is 32 -> 24, out_proj 24 -> 32 (at most 24),
+    ffwd.net.0 32 -> 128 and ffwd.net.2 128 -> 32 (at most 32)."""
+    base, _ = tiny_models
+    limit = {"query_proj": 24, "out_proj": 24, "ffwd.net.0": 32, "ffwd.net.2": 32}[target]
+    message = rf"LoRA rank {rank} is larger than the layer {target} .* at most {limit}, the smaller of the two"
+    with pytest.raises(ValueError, match=message):
+        gl.LoRAAdapter(base, rank, (target,))
+    with pytest.raises(ValueError, match=message):
+        gl.peft_model(copy.deepcopy(base), rank, (target,))
+    assert gl.LoRAAdapter(base, limit, (target,)).A[0].shape[0] == limit  # the largest rank is fine
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -float("inf"), 0, 0.0, -2.0, True, "8"])
+def test_alpha_that_is_not_a_positive_finite_number_is_refused(tiny_models, alpha):
+    base, _ = tiny_models
+    message = r"LoRA alpha must be a positive finite number \(the update is scaled by alpha / r\)"
+    with pytest.raises(ValueError, match=message):
+        gl.LoRAAdapter(base, 2, alpha=alpha)
+    with pytest.raises(ValueError, match=message):
+        gl.peft_model(copy.deepcopy(base), 2, alpha=alpha)
+    with pytest.raises(ValueError, match=message):
+        gl.random_adapter(base, 2, alpha=alpha)
+
+
+def test_a_state_dict_of_another_rank_is_a_clear_error_naming_both(tiny_models):
+    base, _ = tiny_models
+    saved = gl.random_adapter(base, 4, TARGETS, seed=1).state_dict()
+    with pytest.raises(ValueError, match=r"the state dict holds a rank-4 adapter, this LoRAAdapter has rank 8: "
+                                         r"build it with rank=4"):
+        gl.LoRAAdapter(base, 8, TARGETS).load_state_dict(saved)
+    with pytest.raises(ValueError, match="the state dict holds 6 A/B pairs, this adapter 8"):
+        gl.LoRAAdapter(base, 4).load_state_dict(saved)  # other targets
+    same = gl.LoRAAdapter(base, 4, TARGETS)
+    same.load_state_dict(saved)  # the same shape: loads, exactly
+    assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(), saved.values()))
+
+
+def test_a_single_string_target_is_one_target(tiny_models):
+    base, _ = tiny_models
+    adapter = gl.LoRAAdapter(base, 2, "value_proj")
+    assert adapter.targets == ("value_proj",) and adapter.names == ["blocks.0.mha.value_proj",
+                                                                    "blocks.1.mha.value_proj"]
+    peft = gl.peft_model(copy.deepcopy(base), 2, "value_proj")
+    assert sorted(n for n, p in peft.named_parameters() if p.requires_grad) == [
+        f"base_model.model.blocks.{i}.mha.value_proj.lora_{m}.default.weight" for i in (0, 1) for m in "AB"]
+    message = (r"unknown LoRA target module\(s\) \['fc_in'\]; choose among query_proj, key_proj, value_proj, "
+               r"out_proj, ffwd.net.0, ffwd.net.2")  # the name, not its characters
+    with pytest.raises(ValueError, match=message):
+        gl.LoRAAdapter(base, 2, "fc_in")
+    with pytest.raises(ValueError, match=message):
+        gl.peft_model(copy.deepcopy(base), 2, "fc_in")
+
+
+def test_a_diverged_lora_training_names_alpha_and_the_learning_rate(real_data, tiny_models, monkeypatch):
+    base, _ = tiny_models
+    preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=2, lr=1e-3, iters=1)
+    slice_data = gl.speaker_data(real_data, "TRANIO", SEQLEN)
+    args = argparse.Namespace(rank=2, alpha=4.0, targets=["query_proj"], lora_steps=2, lora_batch_size=2, lr=1e-2,
+                              seed=0, untrained=True)
+    train_steps = training.train_steps
+    nan_loss = lambda model, x, y: training.cross_entropy_loss(model, x, y) * float("nan")  # noqa: E731
+    monkeypatch.setattr(training, "train_steps", lambda *a, **k: train_steps(*a, **{**k, "loss_fn": nan_loss}))
+    with pytest.raises(TrainingDiverged, match=r"training diverged: the training loss is nan at step 1 of 2 \(LoRA "
+                                                  r"alpha 4, so a scale alpha / r = 2, and peak learning rate 0.01\); "
+                                                  r"rerun with a lower alpha or a lower learning rate. "
+                                                  r"Nothing was saved"):
+        main_multi_lora.train_adapter(base, slice_data, args, preset, "TRANIO")
+    with pytest.raises(TrainingDiverged, match=r"at step 1 of 2 \(peak learning rate 0.01\); rerun with a lower "
+                                                  r"learning rate. Nothing was saved"):  # elsewhere: as it was
+        training.train_steps(base, slice_data, 2, 2, SEQLEN, 1e-2, loss_fn=nan_loss)
+
+
 @pytest.mark.parametrize("ids, match", [(torch.tensor([0, 2]), r"adapter id out of range: ids must be in \[0, 2\)"),
                                         (torch.tensor([-1, 0]), "adapter id out of range"),
                                         (torch.tensor([0]), "got 1 adapter ids for 2 requests"),
@@ -185,6 +260,8 @@ def test_adapters_of_other_ranks_cannot_be_stacked(tiny_models):
 
 @pytest.mark.parametrize("flags, match", [(["--rank", "0"], "--rank: .*must be at least 1"),
                                           (["--targets", "fc_in"], "--targets: invalid choice: 'fc_in'"),
+                                          (["--rank", "600", "--preset", "cpu"],
+                                           "--rank: LoRA rank 600 is larger than the layer query_proj"),
                                           (["--adapter-counts", "64"], "at most --batch-size=32"),
                                           (["--prompt-len", "100", "--n-tokens", "64"], "at most seqlen=128"),
                                           (["--speakers", "ROMEO", "ROMEO"], "name each speaker once")])

@@ -2,6 +2,7 @@
 deterministic test embedder (hits, misses, exact layer, TTL, scopes, save/load, crafted files, bad
 input); both with the real all-MiniLM-L6-v2 on the shipped pairs; main_semantic_cache.py."""
 import collections
+import hashlib
 import json
 import math
 import re
@@ -13,10 +14,9 @@ import torch
 
 import inference_utils as iu
 import main_semantic_cache
-from lib import harness, semantic_cache as sc, training
-from lib.semantic_cache import ScopedSemanticCache
+from lib import harness, presets, semantic_cache as sc, training
 from lib.errors import GPTliteError
-from lib import harness, presets
+from lib.semantic_cache import ScopedSemanticCache
 
 DIM = 4
 
@@ -208,11 +208,40 @@ def test_a_save_records_the_encoder_name_and_dimension(tmp_path):
     cache.save(tmp_path / "c.npz")
     meta = json.loads(np.load(tmp_path / "c.npz")["meta"].tobytes())
     assert meta["encoder"] == f"{AngleEmbedder.__module__}.AngleEmbedder" and meta["dim"] == DIM
-    assert meta["version"] == sc.FORMAT_VERSION == 2
+    assert meta["version"] == sc.FORMAT_VERSION == 3
+    with np.load(tmp_path / "c.npz") as npz:
+        assert meta["checksum"] == reference_checksum(meta, {k: npz[k] for k in npz.files if k != "meta"})
+
+
+def reference_checksum(meta, arrays):
+    """The checksum the format documents (semantic_cache.content_checksum), written here again: sha256 of
+    the meta record without its checksum (JSON, sorted keys, no spaces), then for each array in name
+    order the JSON [name, dtype, shape] and its bytes."""
+    digest = hashlib.sha256(json.dumps({k: meta[k] for k in meta if k != "checksum"}, sort_keys=True,
+                                       separators=(",", ":")).encode())
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def edit_saved(path, edit, resign):
+    """Rewrite the saved cache at `path` after edit(meta, arrays). resign: recompute its checksum, as
+    someone who read the format would (when the file has one: the format before checksums had none)."""
+    with np.load(path) as npz:
+        meta, arrays = json.loads(npz["meta"].tobytes()), {k: npz[k].copy() for k in npz.files if k != "meta"}
+    edit(meta, arrays)
+    if resign and "checksum" in meta:
+        meta["checksum"] = reference_checksum(meta, arrays)
+    np.savez(path, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    return path
 
 
 def test_an_empty_save_loads_as_an_empty_cache(tmp_path):
-    new_cache().save(tmp_path / "empty.npz")
+    empty = new_cache()
+    empty.embed_fn.dim = DIM  # nothing embedded: the dimension comes from the encoder
+    empty.save(tmp_path / "empty.npz")
     cache, model = live_cache()
     cache.load(tmp_path / "empty.npz")
     assert len(cache) == 0 and cache.spaces == {} and cache.exact == {} and cache.dim == DIM
@@ -269,6 +298,7 @@ CRAFTED = {
     "vectors not unit-norm": lambda m, a: a.update(vectors_1=2 * a["vectors_1"]),
     "vectors missing": lambda m, a: a.pop("vectors_1"),
     "an extra array": lambda m, a: a.update(vectors_2=a["vectors_1"]),
+    "no checksum": lambda m, a: m.pop("checksum", None),
 }
 
 
@@ -277,14 +307,9 @@ def crafted_file(tmp_path, name):
     cache("delete a file", Model(), scope="alice")
     cache("delete a folder", Model(), scope="alice")
     cache("remove a file", Model(), scope="bob")
-    good = tmp_path / "good.npz"
-    cache.save(good)
-    with np.load(good) as npz:
-        meta, arrays = json.loads(npz["meta"].tobytes()), {k: npz[k].copy() for k in npz.files if k != "meta"}
-    CRAFTED[name](meta, arrays)
     path = tmp_path / "crafted.npz"
-    np.savez(path, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-    return path
+    cache.save(path)
+    return edit_saved(path, CRAFTED[name], resign=True)  # with a valid checksum: each check is reached
 
 
 def live_cache():
@@ -393,9 +418,86 @@ def test_a_save_of_another_dimension_is_refused(tmp_path):
         embedded.load(tmp_path / "c.npz")
     assert len(embedded) == 1 and embedded.dim == 9
     unknown = ScopedSemanticCache(named_embedder("enc", 9, with_dim=False), 0.9)
-    unknown.load(tmp_path / "c.npz")  # nothing says 9 yet: the first embedding does, as a clear error
     with pytest.raises(ValueError, match="dimension 9, but the cache holds vectors of dimension 4"):
-        unknown("another query", Model())
+        unknown.load(tmp_path / "c.npz")  # nothing says 9 yet: re-embedding the stored queries does
+    assert unknown.spaces == {} and unknown.dim is None
+
+
+# A file edited by hand without its checksum recomputed: refused, whatever was changed.
+STALE = {
+    "a query": lambda m, a: m["entries"][0][0].update(query="erase the file"),
+    "an answer": lambda m, a: m["entries"][0][0].update(answer="answer to boil an egg"),
+    "an expiry time": lambda m, a: m["entries"][1][0].update(expires=1e12),
+    "a scope": lambda m, a: m["namespaces"].__setitem__(0, ScopedSemanticCache.namespace("mallory", "", None)),
+    "the encoder name": lambda m, a: m.update(encoder=f"{__name__}.OtherEmbedder"),
+    "the dimension": lambda m, a: m.update(dim=5),
+    "a vector, a little": lambda m, a: a["vectors_0"].__setitem__(0, [math.cos(0.01), math.sin(0.01), 0, 0]),
+    "two vectors swapped": lambda m, a: a.update(vectors_0=a["vectors_0"][::-1].copy()),
+    "the checksum, another file's": lambda m, a: m.update(checksum=hashlib.sha256(b"another").hexdigest()),
+    "the checksum, not a string": lambda m, a: m.update(checksum=42),
+}
+
+
+@pytest.mark.parametrize("name", list(STALE))
+def test_a_file_edited_without_its_checksum_is_refused(tmp_path, name):
+    path = edit_saved(crafted_file(tmp_path, "untouched"), STALE[name], resign=False)
+    cache, model = live_cache()
+    with pytest.raises(ValueError, match=r"is not a semantic cache saved by ScopedSemanticCache.save \(ValueError: its "
+                                         r"content checksum does not match its contents: it was edited or damaged "
+                                         r"after it was saved\); delete it, or save the cache again"):
+        cache.load(path)
+    assert_unchanged(cache, model)
+
+
+@pytest.mark.parametrize("degrees, loads", [(0, True), (2, True), (3, False), (20, False)])
+def test_a_stored_vector_must_be_its_querys_embedding_within_the_tolerance(tmp_path, degrees, loads):
+    """1 - cos(2 deg) = 6.1e-4 is within REEMBED_TOLERANCE = 1e-3, 1 - cos(3 deg) = 1.4e-3 is not."""
+    theta = math.radians(ANGLES["delete a folder"] + degrees)  # entry 1 of alice's namespace
+    path = edit_saved(crafted_file(tmp_path, "untouched"),
+                      lambda m, a: a["vectors_0"].__setitem__(1, [math.cos(theta), math.sin(theta), 0, 0]), resign=True)
+    cache, model = live_cache()
+    if loads:
+        cache.load(path)
+        assert len(cache) == 3 and 1 - math.cos(math.radians(2)) < sc.REEMBED_TOLERANCE < 1 - math.cos(math.radians(3))
+        return
+    with pytest.raises(ValueError, match=rf"stored vector of the query 'delete a folder' \(scope 'alice', model '', "
+                                         rf"parameters {{}}\) is not its embedding by '{__name__}.AngleEmbedder' "
+                                         rf"\(cosine similarity {math.cos(math.radians(degrees)):.4f} to a fresh one, "
+                                         r"at least 0.999 expected\).*Delete the file"):
+        cache.load(path)
+    assert_unchanged(cache, model)
+
+
+def test_an_encoder_without_a_name_of_its_own_is_refused_at_save(tmp_path):
+    def local_embedder(text):
+        return np.array([1.0, 0.0], dtype=np.float32)
+    for embed_fn in (lambda text: np.array([1.0, 0.0], dtype=np.float32), local_embedder):
+        cache = ScopedSemanticCache(embed_fn)
+        cache.add("delete a file", "rm")
+        with pytest.raises(ValueError, match=r"embed_fn has no name a saved cache can record \('[^']*"
+                                             r"(<lambda>|<locals>)[^']*' could be another encoder's\): give it a "
+                                             r"\.model_name attribute before making the cache"):
+            cache.save(tmp_path / "c.npz")
+        assert list(tmp_path.iterdir()) == []  # nothing written
+        embed_fn.model_name = "two-dims"  # named: saved and loaded
+        named = ScopedSemanticCache(embed_fn)
+        named.add("delete a file", "rm")
+        named.save(tmp_path / "c.npz")
+        loaded = ScopedSemanticCache(embed_fn)
+        loaded.load(tmp_path / "c.npz")
+        assert loaded("delete a file", Model())[0] == "rm"
+        (tmp_path / "c.npz").unlink()
+
+
+def test_an_encoder_without_a_dimension_is_refused_at_save(tmp_path):
+    cache = new_cache()  # nothing embedded, and AngleEmbedder has no .dim
+    with pytest.raises(ValueError, match=r"embedded nothing and embed_fn has no .dim, so the dimension a saved cache "
+                                         r"records is unknown: give embed_fn a .dim attribute"):
+        cache.save(tmp_path / "c.npz")
+    assert list(tmp_path.iterdir()) == []
+    cache("delete a file", Model())  # the first embedding tells
+    cache.save(tmp_path / "c.npz")
+    assert json.loads(np.load(tmp_path / "c.npz")["meta"].tobytes())["dim"] == DIM
 
 
 @pytest.mark.parametrize("query, error, match", [("", ValueError, "empty"), ("   ", ValueError, "empty"),
@@ -490,6 +592,49 @@ def test_real_encoder_a_save_refuses_another_encoder_of_the_same_dimension(encod
     loaded = ScopedSemanticCache(encoder)  # a fresh cache with the same encoder
     loaded.load(tmp_path / "c.npz")
     assert loaded("How can I remove a file?", Model())[:3:2] == ("answer to How do I delete a file?", True)
+
+
+def real_cache_file(encoder, path):
+    cache = ScopedSemanticCache(encoder)
+    cache.add("How do I delete a file?", "Use rm FILE.")
+    cache.add("What is the tallest mountain in Africa?", "Kilimanjaro.")
+    cache.save(path)
+    return path
+
+
+def test_real_encoder_an_edited_answer_is_refused(encoder, tmp_path):
+    path = edit_saved(real_cache_file(encoder, tmp_path / "c.npz"),
+                      lambda m, a: m["entries"][0][0].update(answer="Use rm -rf / FILE."), resign=False)
+    cache = ScopedSemanticCache(encoder)
+    with pytest.raises(ValueError, match="content checksum does not match its contents.*delete it, or save the cache"):
+        cache.load(path)
+    assert cache.spaces == {} and cache.exact == {}
+
+
+def test_real_encoder_two_swapped_vectors_are_refused(encoder, tmp_path):
+    """The swap, with the checksum recomputed: a paraphrase of one query would get the other's answer."""
+    path = edit_saved(real_cache_file(encoder, tmp_path / "c.npz"),
+                      lambda m, a: a.update(vectors_0=a["vectors_0"][::-1].copy()), resign=True)
+    cache = ScopedSemanticCache(encoder)
+    with pytest.raises(ValueError, match=rf"the stored vector of the query 'How do I delete a file\?' \(scope "
+                                         rf"'default', model '', parameters {{}}\) is not its embedding by "
+                                         rf"'{sc.DEFAULT_ENCODER}' \(cosine similarity -?0\.\d{{4}} to a fresh one, "
+                                         r"at least 0.999 expected\)"):
+        cache.load(path)
+    assert cache.spaces == {} and cache.exact == {}
+
+
+def test_real_encoder_an_edited_query_with_its_vector_kept_is_refused(encoder, tmp_path):
+    path = edit_saved(real_cache_file(encoder, tmp_path / "c.npz"),
+                      lambda m, a: m["entries"][0][1].update(query="How do I bake a cake?"), resign=True)
+    cache = ScopedSemanticCache(encoder)
+    with pytest.raises(ValueError, match=r"the stored vector of the query 'How do I bake a cake\?' .* is not its "
+                                         r"embedding.*queries or vectors were edited"):
+        cache.load(path)
+    assert cache.spaces == {} and cache.exact == {}
+    untouched = ScopedSemanticCache(encoder)  # the file as saved: every query re-embedded in one call, within 1e-3
+    untouched.load(real_cache_file(encoder, tmp_path / "d.npz"))
+    assert untouched("How can I remove a file?", Model())[:3:2] == ("Use rm FILE.", True)
 
 
 def test_real_encoder_default_threshold_separates_the_shipped_pairs(encoder):

@@ -15,6 +15,7 @@ from conftest import TINY
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from lib import corpus
+from lib.errors import GPTliteError
 
 VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # tiny Shakespeare's 65
 SPEAKERS = ["KING", "KATE", "GREMIO"]
@@ -142,6 +143,114 @@ def test_bad_grammars_are_clear_errors():
         sd.CharGrammar("root ::= \"a\"", VOCAB, kind="json")
     with pytest.raises(ValueError, match="does not accept 'KX'"):
         grammars()["turn"].mask_logits_along(torch.zeros(3, len(VOCAB)), "KX:")
+
+
+def shortest_by_bfs(grammar, max_depth):
+    """The length of the shortest non-empty sentence, by a breadth-first walk over the characters the
+    engine's bitmask allows after every prefix (every prefix kept: small grammars only); None if none
+    up to max_depth."""
+    import xgrammar as xgr
+    frontier, bitmask = [grammar.matcher()], xgr.allocate_token_bitmask(1, len(VOCAB))
+    for depth in range(1, max_depth + 1):
+        following = []
+        for matcher in frontier:
+            matcher.fill_next_token_bitmask(bitmask)
+            words = [int(w) & 0xFFFFFFFF for w in bitmask[0].tolist()]
+            for token in (t for t in range(len(VOCAB)) if words[t // 32] >> (t % 32) & 1):
+                child = matcher.fork()
+                assert child.accept_token(token)
+                if child.is_completed():
+                    return depth
+                following.append(child)
+        frontier = following
+    return None
+
+
+SHORTEST = [  # (grammar, kind, the length of its shortest non-empty sentence, worked out by hand)
+    ('root ::= "ab" | "c" "d" "e"', "ebnf", 2),
+    ('root ::= x\nx ::= "a" x "b" | "c"', "ebnf", 1),
+    ('root ::= "a"{3,5} "b"?', "ebnf", 3),
+    ('root ::= "a"{2,} "b"{3}', "ebnf", 5),
+    ('root ::= "" | "abc"', "ebnf", 3),  # the empty sentence does not count: decoding writes a character
+    ('root ::= x y\nx ::= "" | "a"\ny ::= "" | "bb"', "ebnf", 1),
+    ('root ::= [a-c]* "x"', "ebnf", 1),
+    ('root ::= "q" r | "zzz"\nr ::= "q" root | "w"', "ebnf", 2),  # mutual recursion: "qw"
+    ('root ::= "q" r\nr ::= "q" root | "ww"', "ebnf", 3),  # "qww"
+    ("(ab|c)+d", "regex", 2),
+    ("a{2,}b{0,2}", "regex", 2),
+    ("[^\\x00-\\x60]{2}", "regex", 2),  # a negated class: the lower-case letters of the vocabulary
+    ("(KING|KATE):\\n[A-Z]?[.!]", "regex", 7),  # "KING:\n."
+]
+
+
+@pytest.mark.parametrize("source, kind, length", SHORTEST)
+def test_shortest_sentence_against_a_breadth_first_walk(source, kind, length):
+    g = sd.CharGrammar(source, VOCAB, kind)
+    assert g.min_chars == length and len(g.shortest) == length and g.accepts(g.shortest)
+    assert shortest_by_bfs(g, length + 1) == length
+
+
+def test_shortest_sentence_of_the_scripts_grammars():
+    g = grammars()
+    assert (g["turn"].min_chars, g["turn"].shortest) == (9, "KING:\n'\n\n")  # KING or KATE, a one-character line
+    assert (g["direction"].min_chars, g["direction"].shortest) == (6, "Exit.\n")
+    assert g["reply"].min_chars == len("KING:\nA.\n") and g["reply"].accepts(g["reply"].shortest)
+
+
+@pytest.mark.parametrize("source, kind", [("", "regex"), ('root ::= ""', "ebnf"), ("()", "regex"),
+                                          ("root ::= [^\\x00-\\x7f]", "ebnf"),  # all outside the vocabulary
+                                          ("[^\\x00-\\x7f]+", "regex"), ('root ::= "KING" [^\\x00-\\x7f]', "ebnf"),
+                                          ('root ::= x\nx ::= "a" x', "ebnf")])  # a rule that never ends
+def test_a_grammar_without_a_non_empty_sentence_is_refused(source, kind):
+    with pytest.raises(ValueError, match=f"the {kind} grammar .* has no non-empty sentence written with GPTlite's "
+                                         "65 characters.*give it at least one sentence"):
+        sd.CharGrammar(source, VOCAB, kind)
+
+
+class NoModel:
+    """A model that must not be called: the checks come before the prefill."""
+
+    def __call__(self, *args, **kwargs):
+        pytest.fail("the model was called: the error must come before the prefill")
+
+
+def test_a_shortest_sentence_past_the_window_is_refused_before_the_prefill():
+    turn = grammars()["turn"]  # shortest sentence: 9 characters
+    with pytest.raises(GPTliteError, match=r"the grammar's shortest sentence \(9 characters, e.g. "
+                                              r"\"KING:\\n'\\n\\n\"\) does not fit after a prompt of 60 characters in the model's window of "
+                                              r"64: shorten the prompt to at most 56 characters"):
+        msd.constrained_generate(NoModel(), torch.zeros(1, 60, dtype=torch.long), turn, 9, 64)
+
+
+def test_max_chars_past_the_window_is_refused_before_the_prefill():
+    for grammar in (None, grammars()["reply"]):
+        with pytest.raises(GPTliteError, match=r"a prompt of 30 characters and max_chars=40 need 69 positions, past "
+                                                  r"the model's window of 64: give max_chars of at most 35"):
+            msd.constrained_generate(NoModel(), torch.zeros(1, 30, dtype=torch.long), grammar, 40, 64,
+                                     stop=lambda ids: False)
+
+
+def test_max_chars_below_the_shortest_sentence_is_refused_before_the_prefill():
+    with pytest.raises(GPTliteError, match=r"max_chars=5 is shorter than the grammar's shortest sentence \(6 "
+                                              r"characters, e.g. 'Exit.\\n'\): no output could be complete; give "
+                                              r"max_chars of at least 6"):
+        msd.constrained_generate(NoModel(), torch.zeros(1, 4, dtype=torch.long), grammars()["direction"], 5, 64)
+    with pytest.raises(GPTliteError, match="max_chars must be an integer of at least 1"):
+        msd.constrained_generate(NoModel(), torch.zeros(1, 4, dtype=torch.long), None, 0, 64, stop=lambda ids: True)
+
+
+def test_a_cut_by_max_chars_says_the_output_is_incomplete(models):
+    _, cached = models
+    g, prompt = grammars()["turn"], torch.tensor([[20, 30, 40, 1]])
+    whole = msd.constrained_generate(cached, prompt, g, 40, 64)
+    text = "".join(VOCAB[i] for i in whole.tokens)
+    assert whole.complete and g.accepts(text) and len(text) > 10
+    cut = msd.constrained_generate(cached, prompt, g, 10, 64)
+    assert cut.tokens == whole.tokens[:10]  # the same characters, stopped early
+    assert not cut.complete and not g.accepts(text[:10])
+    stop = lambda ids: ids[-1] == 0  # noqa: E731
+    free = msd.constrained_generate(cached, prompt, None, 3, 64, stop=stop)
+    assert free.complete == stop(free.tokens)
 
 
 def test_an_unknown_speaker_is_refused_with_close_names():
