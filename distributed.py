@@ -12,13 +12,15 @@ The API, small on purpose (everything else is plain torch.distributed):
     launched() -> bool                       True under torchrun (RANK and WORLD_SIZE are set)
     world_size() -> int                      torchrun's WORLD_SIZE, else 1 (readable before init)
     rank() -> int                            torchrun's RANK, else 0 (readable before init)
-    init(device, timeout_s) -> Dist          join the process group (a group of one without
-                                             torchrun); Dist(rank, world_size, local_rank, device,
-                                             backend); a collective that waits longer than timeout_s
-                                             for a peer raises instead of hanging
+    init(device, timeout_s,                  join the process group (a group of one without
+         startup_timeout_s) -> Dist          torchrun); Dist(rank, world_size, local_rank, device,
+                                             backend); every rank waits up to startup_timeout_s for
+                                             the others to join, then a collective that waits longer
+                                             than timeout_s for a peer raises instead of hanging
     shutdown()                               leave the process group (safe to call twice)
-    collective_errors(timeout_s)             a context manager: a failed collective (a peer died or
-                                             timed out) becomes one clear GPTliteError
+    collective_errors(timeout_s,             a context manager: a failed collective (a peer died or
+                      memory_hint)           timed out) becomes one clear GPTliteError; this rank's own
+                                             out-of-memory error too (it says which flag to lower)
     launch(script, args, nproc, timeout_s,   run `python -m torch.distributed.run --standalone
            capture=True, env=None)           --nproc-per-node N script args` (what torchrun does) and
                                              return the CompletedProcess; a run past timeout_s is
@@ -47,6 +49,9 @@ import torch.distributed as dist
 from inference_utils import GPTliteError
 
 DEFAULT_TIMEOUT_S = 60  # how long a collective waits for a peer before it fails
+# How long a rank waits for the others to join the group: they start one after another (Python, torch,
+# the data) and a busy 2-core machine takes tens of seconds for that; no correct start-up comes near it.
+STARTUP_TIMEOUT_S = 600
 GRACE_S = 10  # run_child: seconds between SIGTERM and SIGKILL when it ends a command's processes
 
 
@@ -93,9 +98,12 @@ def rank():
     return int(os.environ["RANK"]) if launched() else 0
 
 
-def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S):
+def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S, startup_timeout_s=STARTUP_TIMEOUT_S):
     """Join the process group with the backend of `device`: under torchrun its world, else a group of
     one process (a HashStore: no port to open). On CUDA each process takes cuda:LOCAL_RANK.
+    Two timeouts: every rank waits up to startup_timeout_s (at least timeout_s) for the last one to
+    arrive (startup_barrier), as the ranks start seconds apart on a busy machine; from then on joining,
+    a collective or a point-to-point call waits timeout_s for a peer before it raises.
     Every check comes before the group is joined. Returns a Dist."""
     device = torch.device(device)
     backend = backend_for(device)
@@ -109,11 +117,28 @@ def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S):
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if launched():
-            dist.init_process_group(backend, timeout=timeout)  # env://: torchrun's MASTER_ADDR, MASTER_PORT
+        if launched():  # env://: torchrun's MASTER_ADDR and MASTER_PORT, its store
+            startup = datetime.timedelta(seconds=max(timeout_s, startup_timeout_s))
+            store, my_rank, world = next(dist.rendezvous("env://", timeout=startup))
+            startup_barrier(store, world, startup)
+            store.set_timeout(timeout)
+            # what init_process_group does with env:// itself, every rank now at hand
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=my_rank,
+                                    world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def startup_barrier(store, world, timeout):
+    """Wait, up to `timeout`, until all `world` ranks have arrived, on torchrun's key-value store: the
+    group is then joined by ranks that are all there, so its own timeout (a collective's) is not spent
+    on one that is still importing torch. Its keys are those of this launch (torchrun's restart count)."""
+    barrier = dist.PrefixStore(f"gptlite_startup_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    barrier.set_timeout(timeout)
+    if barrier.add("arrived", 1) == world:
+        barrier.set("all", "1")
+    barrier.wait(["all"])
 
 
 def shutdown():
@@ -121,20 +146,66 @@ def shutdown():
         dist.destroy_process_group()
 
 
+TORCH_DISTRIBUTED = Path(dist.__file__).resolve().parent  # where torch.distributed's Python code lives
+
+
+def out_of_memory(e):
+    """True for a failed allocation: Python's MemoryError, torch's OutOfMemoryError (CUDA) and the
+    RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def raised_by_torch_distributed(e):
+    """True when `e` came out of a torch.distributed call: a DistError, or an error whose innermost
+    frame is torch.distributed's code (gloo's "Connection closed by peer" and "Timed out waiting" are
+    plain RuntimeErrors raised there). An error of this process's own code, the model's say, is not."""
+    if isinstance(e, dist.DistError):
+        return True
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(TORCH_DISTRIBUTED)
+
+
 @contextlib.contextmanager
-def collective_errors(timeout_s=DEFAULT_TIMEOUT_S):
-    """Turn the error of a failed collective or point-to-point call (a peer that died, or did not answer
-    within timeout_s) into one GPTliteError that says what happened and where to look."""
+def collective_errors(timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
+    """Say which rank failed and how when the block raises:
+    - this rank ran out of memory (out_of_memory): one GPTliteError that says so, that it is this
+      rank's own error and not a peer's, and `memory_hint` (what to lower, e.g. "lower --batch-size");
+    - a torch.distributed call failed (raised_by_torch_distributed): one GPTliteError, a peer process
+      died (its connection closed) or did not answer within timeout_s;
+    - any other error is this rank's own: it goes on unchanged, its traceback with a note naming the rank.
+    The other ranks then see this one as a peer that died; torchrun's summary names the rank that
+    failed first (Root Cause)."""
     try:
         yield
-    except (RuntimeError, dist.DistError) as e:  # DistBackendError, gloo's "Connection closed by peer", ...
-        if isinstance(e, GPTliteError):
-            raise
+    except GPTliteError:
+        raise
+    except Exception as e:  # noqa: BLE001  (sorted below; everything not converted is re-raised as it is)
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise GPTliteError(f"rank {rank}: a torch.distributed call failed: a peer process died or did not answer "
-                           f"within {timeout_s} s ({type(e).__name__}: {first}); torchrun's summary names the rank "
-                           "that failed first (Root Cause) and its own error is printed above it") from None
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        what = type(e).__name__ + (f": {first}" if first else "")
+        if out_of_memory(e):
+            raise GPTliteError(f"rank {rank} ran out of memory ({what}); this is its own error, not a peer's: "
+                               f"{memory_hint or 'run a smaller workload'}") from None
+        if raised_by_torch_distributed(e):
+            text = str(e).lower()
+            if "timed out" in text or "timeout" in text:
+                cause = f"a peer process did not answer within {timeout_s} s (stuck, or slower than that)"
+            elif any(word in text for word in ("closed", "reset", "broken pipe", "connection refused")):
+                cause = "a peer process died (it closed its connection)"
+            else:
+                cause = f"a peer process died or did not answer within {timeout_s} s"
+            raise GPTliteError(f"rank {rank}: a torch.distributed call failed: {cause} ({what}); torchrun's "
+                               "summary names the rank that failed first (Root Cause) and its own error is "
+                               "printed above it") from None
+        e.add_note(f"(raised on rank {rank} by its own code, not by a peer)")
+        raise
 
 
 def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=None):
