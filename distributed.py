@@ -364,20 +364,21 @@ def run_child(cmd, env=None, cwd=None, capture=False, stdout=None, stderr=None, 
     if capture and (stdout is not None or stderr is not None):
         raise ValueError("run_child: give either capture=True or stdout/stderr, not both")
     cmd = [str(c) for c in cmd]
-    out = err = subprocess.PIPE if capture else None
+    if capture:
+        stdout = stderr = subprocess.PIPE
     signals, proc, output = _StopSignals(), None, (None, None)
     try:
         with signals:
             try:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out if capture else stdout,
-                                        stderr=err if capture else stderr, text=capture, env=env, cwd=cwd,
-                                        start_new_session=True)
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=capture,
+                                        env=env, cwd=cwd, start_new_session=True)
                 signals.arm()
                 output = proc.communicate(timeout=timeout_s)
                 signals.armed = False
             except _Stopped:
                 end_process_tree(proc, grace_s)
-                output = proc.communicate()
+                with contextlib.suppress(ValueError, OSError):  # what the interrupted read had left
+                    output = proc.communicate()
             except subprocess.TimeoutExpired:
                 signals.armed = False
                 end_process_tree(proc, grace_s)
