@@ -214,7 +214,8 @@ def main(argv=None):
     with contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO()):  # rank 0 speaks
         preset, device, data = harness.setup(args, parser, check_args)
         d = distributed.init(device, args.timeout)
-        with distributed.collective_errors(args.timeout):
+        with distributed.collective_errors(args.timeout, memory_hint="lower --batch-size (it sizes both "
+                                           "workers' KV block pools)"):
             experiment(args, preset, d, data)
     distributed.shutdown()
 

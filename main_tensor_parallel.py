@@ -206,7 +206,8 @@ def main(argv=None):
         preset, device, data = harness.setup(args, parser, check_args)
         d = distributed.init(device, args.timeout)
         torch.set_num_threads(args.threads)
-        with distributed.collective_errors(args.timeout):
+        with distributed.collective_errors(args.timeout, memory_hint="lower --batch-size (its KV cache and "
+                                           "prompts), or run fewer ranks per machine"):
             experiment(args, preset, d, data)
     distributed.shutdown()
 

@@ -12,17 +12,23 @@ The API, small on purpose (everything else is plain torch.distributed):
     launched() -> bool                       True under torchrun (RANK and WORLD_SIZE are set)
     world_size() -> int                      torchrun's WORLD_SIZE, else 1 (readable before init)
     rank() -> int                            torchrun's RANK, else 0 (readable before init)
-    init(device, timeout_s) -> Dist          join the process group (a group of one without
-                                             torchrun); Dist(rank, world_size, local_rank, device,
-                                             backend); a collective that waits longer than timeout_s
-                                             for a peer raises instead of hanging
+    init(device, timeout_s,                  join the process group (a group of one without
+         startup_timeout_s) -> Dist          torchrun); Dist(rank, world_size, local_rank, device,
+                                             backend); every rank waits up to startup_timeout_s for
+                                             the others to join, then a collective that waits longer
+                                             than timeout_s for a peer raises instead of hanging
     shutdown()                               leave the process group (safe to call twice)
-    collective_errors(timeout_s)             a context manager: a failed collective (a peer died or
-                                             timed out) becomes one clear GPTliteError
+    collective_errors(timeout_s,             a context manager: a failed collective (a peer died or
+                      memory_hint)           timed out) becomes one clear GPTliteError; this rank's own
+                                             out-of-memory error too (it says which flag to lower)
     launch(script, args, nproc, timeout_s,   run `python -m torch.distributed.run --standalone
            capture=True, env=None)           --nproc-per-node N script args` (what torchrun does) and
                                              return the CompletedProcess; a run past timeout_s is
-                                             killed, with every worker, and raises GPTliteError
+                                             ended, with every worker, and raises GPTliteError
+    run_child(cmd, env, cwd, capture, ...)   run a command to its end in a session of its own; a
+                                             SIGTERM, SIGINT or SIGHUP to this process, an exception
+                                             or a timeout ends the command with every process it
+                                             started (no orphans), then the signal takes its course
 
 Across machines, torchrun's rendezvous flags do the rest: see docs/distributed.md.
 """
@@ -32,6 +38,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +49,10 @@ import torch.distributed as dist
 from lib.errors import GPTliteError
 
 DEFAULT_TIMEOUT_S = 60  # how long a collective waits for a peer before it fails
+# How long a rank waits for the others to join the group: they start one after another (Python, torch,
+# the data) and a busy 2-core machine takes tens of seconds for that; no correct start-up comes near it.
+STARTUP_TIMEOUT_S = 600
+GRACE_S = 10  # run_child: seconds between SIGTERM and SIGKILL when it ends a command's processes
 
 
 @dataclass(frozen=True)
@@ -86,9 +98,12 @@ def rank():
     return int(os.environ["RANK"]) if launched() else 0
 
 
-def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S):
+def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S, startup_timeout_s=STARTUP_TIMEOUT_S):
     """Join the process group with the backend of `device`: under torchrun its world, else a group of
     one process (a HashStore: no port to open). On CUDA each process takes cuda:LOCAL_RANK.
+    Two timeouts: every rank waits up to startup_timeout_s (at least timeout_s) for the last one to
+    arrive (startup_barrier), as the ranks start seconds apart on a busy machine; from then on joining,
+    a collective or a point-to-point call waits timeout_s for a peer before it raises.
     Every check comes before the group is joined. Returns a Dist."""
     device = torch.device(device)
     backend = backend_for(device)
@@ -102,11 +117,28 @@ def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S):
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if launched():
-            dist.init_process_group(backend, timeout=timeout)  # env://: torchrun's MASTER_ADDR, MASTER_PORT
+        if launched():  # env://: torchrun's MASTER_ADDR and MASTER_PORT, its store
+            startup = datetime.timedelta(seconds=max(timeout_s, startup_timeout_s))
+            store, my_rank, world = next(dist.rendezvous("env://", timeout=startup))
+            startup_barrier(store, world, startup)
+            store.set_timeout(timeout)
+            # what init_process_group does with env:// itself, every rank now at hand
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=my_rank,
+                                    world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def startup_barrier(store, world, timeout):
+    """Wait, up to `timeout`, until all `world` ranks have arrived, on torchrun's key-value store: the
+    group is then joined by ranks that are all there, so its own timeout (a collective's) is not spent
+    on one that is still importing torch. Its keys are those of this launch (torchrun's restart count)."""
+    barrier = dist.PrefixStore(f"gptlite_startup_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    barrier.set_timeout(timeout)
+    if barrier.add("arrived", 1) == world:
+        barrier.set("all", "1")
+    barrier.wait(["all"])
 
 
 def shutdown():
@@ -114,49 +146,250 @@ def shutdown():
         dist.destroy_process_group()
 
 
+TORCH_DISTRIBUTED = Path(dist.__file__).resolve().parent  # where torch.distributed's Python code lives
+
+
+def out_of_memory(e):
+    """True for a failed allocation: Python's MemoryError, torch's OutOfMemoryError (CUDA) and the
+    RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def raised_by_torch_distributed(e):
+    """True when `e` came out of a torch.distributed call: a DistError, or an error whose innermost
+    frame is torch.distributed's code (gloo's "Connection closed by peer" and "Timed out waiting" are
+    plain RuntimeErrors raised there). An error of this process's own code, the model's say, is not."""
+    if isinstance(e, dist.DistError):
+        return True
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(TORCH_DISTRIBUTED)
+
+
 @contextlib.contextmanager
-def collective_errors(timeout_s=DEFAULT_TIMEOUT_S):
-    """Turn the error of a failed collective or point-to-point call (a peer that died, or did not answer
-    within timeout_s) into one GPTliteError that says what happened and where to look."""
+def collective_errors(timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
+    """Say which rank failed and how when the block raises:
+    - this rank ran out of memory (out_of_memory): one GPTliteError that says so, that it is this
+      rank's own error and not a peer's, and `memory_hint` (what to lower, e.g. "lower --batch-size");
+    - a torch.distributed call failed (raised_by_torch_distributed): one GPTliteError, a peer process
+      died (its connection closed) or did not answer within timeout_s;
+    - any other error is this rank's own: it goes on unchanged, its traceback with a note naming the rank.
+    The other ranks then see this one as a peer that died; torchrun's summary names the rank that
+    failed first (Root Cause)."""
     try:
         yield
-    except (RuntimeError, dist.DistError) as e:  # DistBackendError, gloo's "Connection closed by peer", ...
-        if isinstance(e, GPTliteError):
-            raise
+    except GPTliteError:
+        raise
+    except Exception as e:  # noqa: BLE001  (sorted below; everything not converted is re-raised as it is)
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise GPTliteError(f"rank {rank}: a torch.distributed call failed: a peer process died or did not answer "
-                           f"within {timeout_s} s ({type(e).__name__}: {first}); torchrun's summary names the rank "
-                           "that failed first (Root Cause) and its own error is printed above it") from None
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        what = type(e).__name__ + (f": {first}" if first else "")
+        if out_of_memory(e):
+            raise GPTliteError(f"rank {rank} ran out of memory ({what}); this is its own error, not a peer's: "
+                               f"{memory_hint or 'run a smaller workload'}") from None
+        if raised_by_torch_distributed(e):
+            text = str(e).lower()
+            if "timed out" in text or "timeout" in text:
+                cause = f"a peer process did not answer within {timeout_s} s (stuck, or slower than that)"
+            elif any(word in text for word in ("closed", "reset", "broken pipe", "connection refused")):
+                cause = "a peer process died (it closed its connection)"
+            else:
+                cause = f"a peer process died or did not answer within {timeout_s} s"
+            raise GPTliteError(f"rank {rank}: a torch.distributed call failed: {cause} ({what}); torchrun's "
+                               "summary names the rank that failed first (Root Cause) and its own error is "
+                               "printed above it") from None
+        e.add_note(f"(raised on rank {rank} by its own code, not by a peer)")
+        raise
 
 
 def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=None):
     """Run `script` on `nproc` local processes with torchrun (`python -m torch.distributed.run
     --standalone`: a free port, no other setup) and return the CompletedProcess (stdout and stderr as
     text when `capture`, else they go to this process's). A run that exceeds `timeout_s` (None: no
-    limit) is killed with all its workers and raises GPTliteError. The workers run in `cwd` (default:
-    this process's), so relative paths in `args` mean what they meant here. Each worker gets
-    OMP_NUM_THREADS=1 unless `env` or the environment sets it. (torchrun's parser reads the script's
-    flags too: a flag that abbreviates one of torchrun's, such as --nproc, is refused as ambiguous.)"""
+    limit) is ended with all its workers and raises GPTliteError; so is a run whose launcher gets
+    SIGTERM, SIGINT or SIGHUP, after which the signal takes its course (run_child). The workers run
+    in `cwd` (default: this process's), so relative paths in `args` mean what they meant here. Each
+    worker gets OMP_NUM_THREADS=1 unless `env` or the environment sets it. (torchrun's parser reads the
+    script's flags too: a flag that abbreviates one of torchrun's, such as --nproc, is refused as
+    ambiguous.)"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(script).resolve()), *map(str, args)]  # relative paths in `args` stay the caller's
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
-    pipe = subprocess.PIPE if capture else None
-    # a session of its own: on a timeout the whole process group (torchrun and its workers) is killed
-    with subprocess.Popen(cmd, stdout=pipe, stderr=pipe, stdin=subprocess.DEVNULL, text=True, env=full_env,
-                          cwd=cwd, start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            tail = "\n".join((stderr or "").strip().splitlines()[-5:])
-            message = (f"{Path(script).name} on {nproc} processes did not finish within {timeout_s} s and was "
-                       "killed (a rank stuck waiting for a peer?)")
-            raise GPTliteError(message + (f"; last lines:\n{tail}" if tail else ""))
-        except BaseException:  # Ctrl+C: do not leave workers behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    try:
+        return run_child(cmd, env=full_env, cwd=cwd, capture=capture, timeout_s=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        tail = "\n".join((e.stderr or "").strip().splitlines()[-5:])
+        message = (f"{Path(script).name} on {nproc} processes did not finish within {timeout_s} s and was "
+                   "killed (a rank stuck waiting for a peer?)")
+        raise GPTliteError(message + (f"; last lines:\n{tail}" if tail else "")) from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running a command without leaving orphans.
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+class _Stopped(BaseException):
+    """Raised in run_child's wait by the first stop signal."""
+
+
+class _StopSignals:
+    """While the command runs: SIGTERM, SIGINT and SIGHUP are recorded in `received`, and the first one
+    raises _Stopped once `armed` (the child exists). Installed in the main thread only (Python's rule),
+    never for a signal this process ignores (a background job's SIGINT, nohup's SIGHUP)."""
+
+    def __init__(self):
+        self.received, self.armed, self.previous = [], False, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                handler = signal.getsignal(sig)
+                if handler is not signal.SIG_IGN:
+                    self.previous[sig] = signal.SIG_DFL if handler is None else handler
+                    signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received.append(signum)
+        if self.armed and len(self.received) == 1:  # later signals wait for the clean-up under way
+            self.armed = False
+            raise _Stopped(signum)
+
+    def arm(self):
+        self.armed = True
+        if self.received:  # one came while the child was starting
+            self.armed = False
+            raise _Stopped(self.received[0])
+
+    def __exit__(self, *exc):
+        self.armed = False
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _process_table():
+    """{pid: (parent pid, start time, state)} of every process, read from /proc (Linux); {} elsewhere."""
+    table = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat") as f:
+                        stat = f.read()
+                except OSError:  # it ended meanwhile
+                    continue
+                fields = stat[stat.rindex(")") + 2:].split()  # after "pid (command)": state, ppid, ...
+                table[int(entry.name)] = (int(fields[1]), int(fields[19]), fields[0])
+    return table
+
+
+def _descendants(pids, table):
+    """{pid: start time} of every process below `pids` in `table`."""
+    children = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(pids)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found[child] = table[child][1]
+                todo.append(child)
+    return found
+
+
+def end_process_tree(proc, grace_s=GRACE_S):
+    """End the Popen `proc` (started with start_new_session=True), its process group and every process
+    descended from it, even those in sessions of their own (torchrun starts each worker so): SIGTERM
+    once to each, SIGKILL to whatever is alive `grace_s` seconds later; then reap `proc`. Descendants
+    are remembered from the first look on, so that those re-parented when their parent ends are still
+    reached. Without /proc (not Linux) only the child's process group is."""
+    known, terminated = {}, set()  # pid -> start time: a pid is signalled only while it is that process
+
+    def send(pid, sig, group=False):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            (os.killpg if group else os.kill)(pid, sig)
+
+    def living(table):  # the known processes still running (a zombie has ended)
+        return [pid for pid, start in known.items() if pid in table and table[pid][1] == start and table[pid][2] != "Z"]
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        table = _process_table()
+        running = proc.poll() is None  # not reaped yet: its pid is still its own and its group's id
+        for pid, start in _descendants([proc.pid] * running + living(table), table).items():
+            known.setdefault(pid, start)
+        alive = living(table)
+        if not running and not alive:
+            break
+        if time.monotonic() >= deadline:
+            if running:
+                send(proc.pid, signal.SIGKILL, group=True)
+            for pid in alive:
+                send(pid, signal.SIGKILL)
+            break
+        if running and proc.pid not in terminated:
+            send(proc.pid, signal.SIGTERM, group=True)
+            terminated.add(proc.pid)
+        for pid in alive:
+            if pid not in terminated:
+                send(pid, signal.SIGTERM)
+                terminated.add(pid)
+        time.sleep(0.05)
+    proc.wait()
+
+
+def run_child(cmd, env=None, cwd=None, capture=False, stdout=None, stderr=None, timeout_s=None, grace_s=GRACE_S):
+    """Run the command `cmd` (a list: program and arguments) to its end; return the CompletedProcess.
+
+    env: the child's whole environment (None: this process's); cwd: its directory (None: this one's);
+    capture: stdout and stderr as text in the result; else they go to `stdout` and `stderr` (an open
+    file, or None: this process's own). stdin is /dev/null.
+
+    The child runs in a session of its own (a Ctrl+C in the terminal reaches this process only), and it
+    never outlives this call: on SIGTERM, SIGINT or SIGHUP to this process, on any exception while it
+    waits, and after `timeout_s` seconds (None: no limit), end_process_tree ends the child with every
+    process it started (SIGTERM, SIGKILL after `grace_s`). Then a timeout raises
+    subprocess.TimeoutExpired (with the output captured so far), an exception goes on, and a signal is
+    raised again under this process's previous handler: by default SIGTERM and SIGHUP end the process
+    with that signal's status (143 and 129 in a shell) and SIGINT raises KeyboardInterrupt, as if no child
+    had been running; a handler that returns makes run_child return the ended child's CompletedProcess."""
+    if capture and (stdout is not None or stderr is not None):
+        raise ValueError("run_child: give either capture=True or stdout/stderr, not both")
+    cmd = [str(c) for c in cmd]
+    if capture:
+        stdout = stderr = subprocess.PIPE
+    signals, proc, output = _StopSignals(), None, (None, None)
+    try:
+        with signals:
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=capture,
+                                        env=env, cwd=cwd, start_new_session=True)
+                signals.arm()
+                output = proc.communicate(timeout=timeout_s)
+                signals.armed = False
+            except _Stopped:
+                end_process_tree(proc, grace_s)
+                with contextlib.suppress(ValueError, OSError):  # what the interrupted read had left
+                    output = proc.communicate()
+            except subprocess.TimeoutExpired:
+                signals.armed = False
+                end_process_tree(proc, grace_s)
+                output = proc.communicate()
+                raise subprocess.TimeoutExpired(cmd, timeout_s, *output) from None
+            except BaseException:
+                signals.armed = False
+                if proc is not None:
+                    end_process_tree(proc, grace_s)
+                raise
+    finally:  # the handlers are restored: a signal that came now takes its usual course
+        if signals.received:
+            signal.raise_signal(signals.received[0])
+    return subprocess.CompletedProcess(cmd, proc.returncode, *output)

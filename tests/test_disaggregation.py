@@ -17,6 +17,7 @@ from gptlite_kvcache import generate_kvcache, prefill
 from lib.paged_engine import Sequence
 
 WORKER = Path(__file__).resolve().parent / "disagg_worker.py"
+LATE_RANK = Path(__file__).resolve().parent / "late_rank.py"  # runs a worker with one rank seconds late
 SEQLEN = TINY["seqlen"]
 
 
@@ -122,7 +123,7 @@ def test_the_live_clock_admits_a_request_only_once_its_arrival_has_passed():
 # ----------------------------------------------------------------------------------------------------
 # 2 processes with torchrun (gloo on CPU).
 
-def run_worker(mode, tmp_path, timeout_s=60):
+def run_worker(mode, tmp_path, timeout_s=300):
     out = tmp_path / "out.json"
     result = distributed.launch(WORKER, [mode, out], nproc=2, timeout_s=timeout_s)
     return result, (json.loads(out.read_text()) if out.exists() else None)
@@ -139,6 +140,25 @@ def test_two_workers_give_every_request_the_tokens_of_generate_kvcache_and_recom
         # header + payload of [2, L, P, H, D] float32 per request, as the prefill worker sent them
         assert r["kv_bytes"] == [2 * 2 * p * 3 * 8 * 4 for p in out["prompt_lens"]]
         assert all(f <= last for f, last in zip(r["first"], r["last"]))  # one clock: the decode worker's
+
+
+def test_a_prefill_worker_that_starts_and_sends_seconds_late_does_not_fail_a_correct_run(tmp_path):
+    """A busy machine starts the prefill worker seconds after the decode worker and delays its first
+    transfer: the start-up and the receives of a correct run wait for it (only the tests of a dead or
+    silent peer use 3 s)."""
+    out = tmp_path / "out.json"
+    result = distributed.launch(LATE_RANK, [0, 5, WORKER, "check", out], nproc=2, timeout_s=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = json.loads(out.read_text())
+    assert saved["clean"]["outputs"] == saved["corrupt"]["outputs"] == saved["reference"]
+
+
+def test_a_prefill_worker_out_of_memory_says_so_and_is_not_reported_as_a_dead_peer(tmp_path):
+    result, out = run_worker("oom", tmp_path)
+    assert result.returncode != 0 and out is None
+    assert "error: rank 0 ran out of memory" in result.stderr
+    assert "this is its own error, not a peer's: lower --batch-size" in result.stderr
+    assert "rank 0: a torch.distributed call failed" not in result.stderr
 
 
 def test_a_prefill_worker_that_dies_stops_the_run_with_a_clear_error(tmp_path):

@@ -20,6 +20,7 @@ from gptlite_tp import GPTlite_TP, check_tp_size, shard_state_dict, tensor_paral
 from lib.errors import GPTliteError
 
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
+LATE_RANK = Path(__file__).resolve().parent / "late_rank.py"  # runs a worker with one rank seconds late
 SCRIPT = Path(__file__).resolve().parent.parent / "main_tensor_parallel.py"
 CONFIG = dict(TINY, n_heads=4, d_head=6)  # 4 heads for 2 ranks; n_heads * d_head (24) != d_model (32)
 
@@ -33,7 +34,7 @@ def random_model(config):
     return model
 
 
-def run_worker(mode, tmp_path, timeout_s=60):
+def run_worker(mode, tmp_path, timeout_s=300):
     out = tmp_path / "out.json"
     result = distributed.launch(WORKER, [mode, out], nproc=2, timeout_s=timeout_s)
     return result, (json.loads(out.read_text()) if out.exists() else None)
@@ -106,6 +107,36 @@ def test_a_rank_that_stops_answering_gives_a_clear_error_after_the_timeout(tmp_p
     assert "did not answer within 3 s" in result.stderr
 
 
+def test_a_rank_that_starts_and_answers_seconds_late_does_not_fail_a_correct_run(tmp_path):
+    """A busy machine starts one rank seconds after the other and delays its steps: the start-up and the
+    collectives of a correct run wait for it (only the tests of a dead or silent peer use 3 s)."""
+    out = tmp_path / "out.json"
+    result = distributed.launch(LATE_RANK, [1, 5, WORKER, "check", out], nproc=2, timeout_s=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["logits_max_diff"] <= 1e-5 and figures["tokens_equal"] and figures["static_tokens_equal"]
+
+
+def test_a_short_collective_timeout_still_waits_for_a_rank_that_starts_late(tmp_path):
+    """The 3 s of the silent-peer test time its collective only: joining the group waits for a rank
+    that starts 5 s late (distributed.STARTUP_TIMEOUT_S), then the silent rank's collective times out."""
+    result = distributed.launch(LATE_RANK, [1, 5, WORKER, "hang", tmp_path / "out.json"], nproc=2, timeout_s=300)
+    assert result.returncode != 0
+    assert "error: rank 0: a torch.distributed call failed" in result.stderr
+    assert "did not answer within 3 s" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["oom", "memoryerror"])
+def test_a_rank_out_of_memory_says_so_and_is_not_reported_as_a_dead_peer(tmp_path, mode):
+    """Rank 0's own allocation fails (torch's CPU allocator, or a MemoryError): its error names it, says
+    it is its own, and the flag to lower; rank 1 may report rank 0 as a peer that died."""
+    result, figures = run_worker(mode, tmp_path)
+    assert result.returncode != 0 and figures is None
+    assert "error: rank 0 ran out of memory" in result.stderr
+    assert "this is its own error, not a peer's: lower --batch-size" in result.stderr
+    assert "rank 0: a torch.distributed call failed" not in result.stderr
+
+
 def test_a_launch_past_its_timeout_is_killed_with_a_clear_error(tmp_path):
     with pytest.raises(GPTliteError, match="did not finish within 1 s and was killed"):
         run_worker("hang", tmp_path, timeout_s=1)
@@ -136,6 +167,48 @@ def test_without_torchrun_init_makes_a_group_of_one(monkeypatch):
     finally:
         distributed.shutdown()
     assert not dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------------
+# collective_errors in one process: this rank's own error against a peer's.
+
+def allocate_a_pebibyte():
+    torch.empty(2**50, dtype=torch.uint8)  # more than any machine's memory: torch's CPU allocator fails
+
+
+def raise_memory_error():
+    raise MemoryError("could not allocate the KV cache")
+
+
+@pytest.mark.parametrize("fail", [allocate_a_pebibyte, raise_memory_error])
+def test_this_ranks_out_of_memory_is_its_own_error_with_the_flag_to_lower(fail):
+    with pytest.raises(iu.GPTliteError, match=r"^rank 0 ran out of memory \((RuntimeError|MemoryError).*this is its "
+                                              r"own error, not a peer's: lower --batch-size$"):
+        with distributed.collective_errors(5, memory_hint="lower --batch-size"):
+            fail()
+
+
+def test_an_error_of_this_ranks_own_code_goes_on_with_its_traceback_not_as_a_dead_peer():
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as e:
+        with distributed.collective_errors(5):
+            torch.ones(2, 3) @ torch.ones(2, 3)
+    assert not isinstance(e.value, iu.GPTliteError)
+    assert "raised on rank 0 by its own code, not by a peer" in " ".join(getattr(e.value, "__notes__", []))
+
+
+def test_the_scripts_own_out_of_memory_names_the_rank_and_the_flag_to_lower(real_data, monkeypatch):
+    """main_tensor_parallel.main, one process: an allocation of the experiment fails."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(main_tensor_parallel, "experiment", lambda *args: allocate_a_pebibyte())
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(iu.GPTliteError, match=r"rank 0 ran out of memory .*not a peer's: lower --batch-size"):
+            main_tensor_parallel.main(["--untrained", "--batch-size", "2", "--prompt-len", "8", "--n-tokens", "2",
+                                       "--repeats", "1"])
+    finally:
+        distributed.shutdown()
+        torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------
