@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from lib.errors import GPTliteError
-from lib import files, harness
+from lib import distributed, files, harness
 
 ROOT = files.ROOT
 
@@ -225,7 +224,7 @@ def execute(run, args, results):
     full = [sys.executable, *cmd, "--json", str(out_json)] + (["--plot", str(out_png)] if run.plot else [])
     load, start = load_average(), time.time()
     with open(logs / f"{run.name}.out", "w") as out, open(logs / f"{run.name}.err", "w") as err:
-        rc = subprocess.run(full, cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL).returncode
+        rc = distributed.run_child(full, cwd=ROOT, stdout=out, stderr=err).returncode  # a stop ends it too
     err = logs / f"{run.name}.err"
     if rc != 0:
         return (f"{' '.join(cmd)} failed with exit code {rc}; its block stays as it was. Last lines of its stderr "

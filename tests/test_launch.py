@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import distributed
+from lib import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes in /proc (Linux)")
@@ -92,7 +92,7 @@ def start(cmd, tmp_path):
 
 
 def launcher_code(call):
-    return f"import sys; sys.path.insert(0, {str(ROOT)!r}); import distributed; {call}"
+    return f"import sys; sys.path.insert(0, {str(ROOT)!r}); from lib import distributed; {call}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -205,3 +205,23 @@ def test_end_process_tree_ends_descendants_in_sessions_of_their_own_and_those_th
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stopped_reproduce_ends_the_script_it_runs(tmp_path):
+    """reproduce.py runs each script as a child: SIGTERM to it ends that script too, whatever it started."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "README.md").write_text("<!-- reproduce:s:table -->\n<!-- /reproduce:s:table -->\n"
+                                        "<!-- reproduce:summary:table -->\n<!-- /reproduce:summary:table -->\n")
+    (tmp_path / "pids").mkdir()
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import reproduce; "
+            f"from pathlib import Path; reproduce.ROOT = Path({str(tmp_path)!r}); "
+            "reproduce.RUNS = [reproduce.Run('s', 'sleeper.py', 'README.md')]; reproduce.load_average = lambda: 0.0; "
+            "sys.argv[1:] = []; reproduce.main([])")
+    # the script is given `pids script spawn` as flags: reproduce passes --json PATH after them, ignored
+    code = code.replace("'sleeper.py', 'README.md')", f"'sleeper.py', 'README.md', args=({str(tmp_path / 'pids')!r}, "
+                                                      "'script', 'spawn'))")
+    launcher = start([sys.executable, "-c", code], tmp_path)
+    wait_until(lambda: len(list((tmp_path / "pids").iterdir())) == 2, 120, "the script and its child did not start")
+    stop_and_check(launcher, descendants(launcher.pid) | {
+        int(p.suffix[1:]): stat(int(p.suffix[1:]))[1] for p in (tmp_path / "pids").iterdir() if stat(int(p.suffix[1:]))},
+        signal.SIGTERM)

@@ -182,7 +182,7 @@ def raise_memory_error():
 
 @pytest.mark.parametrize("fail", [allocate_a_pebibyte, raise_memory_error])
 def test_this_ranks_out_of_memory_is_its_own_error_with_the_flag_to_lower(fail):
-    with pytest.raises(iu.GPTliteError, match=r"^rank 0 ran out of memory \((RuntimeError|MemoryError).*this is its "
+    with pytest.raises(GPTliteError, match=r"^rank 0 ran out of memory \((RuntimeError|MemoryError).*this is its "
                                               r"own error, not a peer's: lower --batch-size$"):
         with distributed.collective_errors(5, memory_hint="lower --batch-size"):
             fail()
@@ -192,7 +192,7 @@ def test_an_error_of_this_ranks_own_code_goes_on_with_its_traceback_not_as_a_dea
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as e:
         with distributed.collective_errors(5):
             torch.ones(2, 3) @ torch.ones(2, 3)
-    assert not isinstance(e.value, iu.GPTliteError)
+    assert not isinstance(e.value, GPTliteError)
     assert "raised on rank 0 by its own code, not by a peer" in " ".join(getattr(e.value, "__notes__", []))
 
 
@@ -203,7 +203,7 @@ def test_the_scripts_own_out_of_memory_names_the_rank_and_the_flag_to_lower(real
     monkeypatch.setattr(main_tensor_parallel, "experiment", lambda *args: allocate_a_pebibyte())
     threads = torch.get_num_threads()
     try:
-        with pytest.raises(iu.GPTliteError, match=r"rank 0 ran out of memory .*not a peer's: lower --batch-size"):
+        with pytest.raises(GPTliteError, match=r"rank 0 ran out of memory .*not a peer's: lower --batch-size"):
             main_tensor_parallel.main(["--untrained", "--batch-size", "2", "--prompt-len", "8", "--n-tokens", "2",
                                        "--repeats", "1"])
     finally:
