@@ -7,7 +7,11 @@ Blog section: "GPTlite, the model we optimize". A decoder-only transformer with 
 position embeddings, pre-LayerNorm blocks of multi-head attention and a ReLU MLP, and a linear head.
 Every other model of this repository (KV cache, GQA, MLA, pruned, distilled) loads this model's
 state dict where the architecture matches, so the attribute names below are part of the interface.
+Every model carries its constructor arguments as `model.config` (a GPTliteConfig, or a variant's
+subclass of it): read sizes there, and rebuild a model with `type(model).from_config(model.config)`.
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -87,9 +91,51 @@ class Block(nn.Module):
         return x
 
 
+@dataclasses.dataclass(frozen=True)
+class GPTliteConfig:
+    """The constructor arguments of GPTlite, which every model keeps as `model.config`. The variants
+    (GQA, MLA, ...) subclass it with their own fields. `dataclasses.replace(config, n_heads=2, d_ff=40)`
+    is the config of a pruned model; `Model.from_config(config)` builds one with new weights."""
+    vocab_size: int
+    d_model: int      # embedding width
+    n_heads: int      # attention heads per block
+    d_head: int       # width of one head (n_heads * d_head need not equal d_model)
+    n_layers: int     # transformer blocks
+    dropout_p: float  # dropout while training
+    seqlen: int       # context window: positions 0 .. seqlen-1 have an embedding
+    d_ff: int | None = None  # MLP hidden neurons per block; None: the default 4 * d_model (stored as the number)
+
+    def __post_init__(self):
+        if self.d_ff is None:  # frozen: set through object.__setattr__, once, here
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+
+    def to_dict(self):
+        """The keyword arguments of the model's constructor as checkpoints store them: a plain dict, d_ff
+        only when it is not the default 4 * d_model (so an unpruned model's dict is its preset's)."""
+        kwargs = dataclasses.asdict(self)
+        if kwargs["d_ff"] == 4 * self.d_model:
+            del kwargs["d_ff"]
+        return kwargs
+
+    @classmethod
+    def from_dict(cls, kwargs):
+        """The config of a dict of constructor keyword arguments (a checkpoint's "config"); a missing or
+        unknown key is a ValueError that names it."""
+        fields = dataclasses.fields(cls)
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}
+        missing, unknown = sorted(required - set(kwargs)), sorted(set(kwargs) - {f.name for f in fields})
+        if missing or unknown:
+            raise ValueError(f"not the constructor arguments of a {cls.__name__}: missing {missing or 'none'}, "
+                             f"unknown {unknown or 'none'}; a variant's checkpoint needs its own config class")
+        return cls(**kwargs)
+
+
 class GPTlite(nn.Module):
+    config_class = GPTliteConfig  # what from_config takes; each variant names its own
+
     def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff=None):
         super().__init__()
+        self.config = GPTliteConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
         self.seqlen = seqlen  # the context window: positions 0 .. seqlen-1 have an embedding
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(seqlen, d_model)
@@ -107,6 +153,14 @@ class GPTlite(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_config(cls, config):
+        """A new model (fresh weights) of `config`, an instance of this class's config_class."""
+        if type(config) is not cls.config_class:
+            raise ValueError(f"{cls.__name__} is built from a {cls.config_class.__name__}, got a "
+                             f"{type(config).__name__}; give the config of a model of this class")
+        return cls(**config.to_dict())
 
     def forward(self, idx):
         B, S = idx.shape  # idx: [B, S] token ids
@@ -129,7 +183,7 @@ def check_generation_args(model, prompt, n_tokens, seqlen):
         raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
     if not isinstance(seqlen, int) or not 1 <= seqlen <= model.seqlen:
         raise ValueError(f"seqlen must be an integer between 1 and the model's seqlen={model.seqlen}, got {seqlen!r}")
-    vocab_size = model.token_embedding.num_embeddings
+    vocab_size = model.config.vocab_size
     if prompt.min() < 0 or prompt.max() >= vocab_size:
         raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab_size}): "
                          f"found {prompt.min().item()} .. {prompt.max().item()}")

@@ -14,9 +14,12 @@ A trained multi-head model becomes a GQA model by mean pooling the key and value
 with a dynamic cache or with a `StaticKVCache` of n_groups heads (`StaticKVCache.for_model` reads the
 number of cached heads off `key_proj`).
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
 
+from gptlite import GPTliteConfig
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, \
     scaled_dot_product_attention_kv_cache
 from lib.errors import CheckpointError
@@ -70,12 +73,20 @@ class MultiHeadAttention_GQA(MultiHeadAttention_KVCache):
         return grouped_query_attention(Q, K, V, dropout=self.dropout)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GQAConfig(GPTliteConfig):
+    n_groups: int  # key/value heads per block: n_heads is MHA, 1 is MQA
+
+
 class GPTlite_GQA(GPTlite_KVCache):
     """GPTlite with a KV cache and n_groups key/value heads per block; state-dict keys as GPTlite's."""
+    config_class = GQAConfig
 
     def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, n_groups, d_ff=None):
         check_n_groups(n_heads, n_groups)
         super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
+        self.config = GQAConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff,
+                                n_groups=n_groups)
         for block in self.blocks:
             block.mha = MultiHeadAttention_GQA(d_model, n_heads, d_head, dropout_p, n_groups)
         self.apply(self._init_weights)

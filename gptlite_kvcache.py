@@ -51,10 +51,9 @@ class StaticKVCache:
 
     @classmethod
     def for_model(cls, model, batch_size, max_seqlen=None):
-        mha = model.blocks[0].mha
-        p = model.fc_out.weight
-        return cls(len(model.blocks), batch_size, cached_heads(mha), mha.d_head, max_seqlen or model.seqlen,
-                   device=p.device, dtype=p.dtype)
+        config, p = model.config, model.fc_out.weight
+        return cls(config.n_layers, batch_size, cached_heads(model.blocks[0].mha), config.d_head,
+                   max_seqlen or model.seqlen, device=p.device, dtype=p.dtype)
 
     def reset(self):
         """Start a new sequence; stale entries are never read (attention reads the written slots only)."""
@@ -164,15 +163,15 @@ class GPTlite_KVCache(GPTlite):
 
     def check_cache(self, kv_cache, batch_size, max_seqlen):
         """A cache made for another batch, model or dtype is a clear error, not a shape mismatch deep in torch."""
-        mha, dtype = self.blocks[0].mha, self.fc_out.weight.dtype
-        heads = cached_heads(mha)
+        L, D, dtype = self.config.n_layers, self.config.d_head, self.fc_out.weight.dtype
+        heads = cached_heads(self.blocks[0].mha)
         if isinstance(kv_cache, StaticKVCache):
-            expected = (len(self.blocks), batch_size, heads, max_seqlen, mha.d_head)
+            expected = (L, batch_size, heads, max_seqlen, D)
             check_cache_shape(tuple(kv_cache.keys.shape), expected, kv_cache.keys.dtype, dtype)
         else:
             keys = kv_cache[0][0]
             got = (len(kv_cache), keys.shape[0], keys.shape[1], keys.shape[3])
-            check_cache_shape(got, (len(self.blocks), batch_size, heads, mha.d_head), keys.dtype, dtype)
+            check_cache_shape(got, (L, batch_size, heads, D), keys.dtype, dtype)
 
     def forward(self, idx, kv_cache=None, max_seqlen=None):
         """idx: [B, T] new tokens after the `kv_cache` entries (None: an empty cache).

@@ -33,11 +33,13 @@ positions either (NoPE), as Kimi Linear's full-attention layers do: their order 
 layers below them. So no layer has a learned table of `seqlen` rows, and the models run at any context
 length; `seqlen` is only the training window.
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlite import FeedForward, GPTlite
+from gptlite import FeedForward, GPTlite, GPTliteConfig
 from gptlite_kvcache import Block_KVCache
 
 RULES = ("linear", "gated", "delta")
@@ -213,17 +215,34 @@ def is_softmax_block(layer, hybrid_every):
     return hybrid_every is not None and (layer + 1) % hybrid_every == 0
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearConfig(GPTliteConfig):
+    rule: str = "delta"       # the state's update rule, one of RULES
+    hybrid_every: int | None = None  # every hybrid_every-th block keeps softmax attention; None: none does
+    chunk_size: int = 32      # tokens per chunk of the chunked form
+
+    def to_dict(self):
+        """GPTliteConfig's dict with rule and hybrid_every; chunk_size only when it is not the default 32
+        (the checkpoints of main_linear_attention.py store none)."""
+        kwargs = super().to_dict()
+        if kwargs["chunk_size"] == 32:
+            del kwargs["chunk_size"]
+        return kwargs
+
+
 class GPTlite_Linear(GPTlite):
     """GPTlite with linear attention blocks, no position embedding (see the module docstring); with
     `hybrid_every`, every hybrid_every-th block keeps softmax attention and its KV cache (Block_KVCache,
     without a window). The state-dict names of the shared parts are GPTlite's."""
+    config_class = LinearConfig
 
     def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff=None,
                  rule="delta", hybrid_every=None, chunk_size=32):
         check_config(rule, hybrid_every, chunk_size)
         super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
         del self.position_embedding  # no positions: see the module docstring
-        self.rule, self.hybrid_every = rule, hybrid_every
+        self.config = LinearConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff,
+                                   rule=rule, hybrid_every=hybrid_every, chunk_size=chunk_size)
         self.blocks = nn.Sequential(*[
             Block_KVCache(d_model, n_heads, d_head, dropout_p, d_ff) if is_softmax_block(i, hybrid_every)
             else LinearBlock(d_model, n_heads, d_head, dropout_p, rule, d_ff, chunk_size) for i in range(n_layers)])
@@ -234,8 +253,9 @@ class GPTlite_Linear(GPTlite):
         cache: per block, the state S of a linear block or the (keys, values) of a softmax block.
         form: the linear layers' form (None: recurrent for one token, chunked otherwise).
         Returns logits [B, T, vocab] and the new cache."""
-        if cache is not None and len(cache) != len(self.blocks):
-            raise ValueError(f"the cache has {len(cache)} layers, the model {len(self.blocks)}; start with cache=None")
+        if cache is not None and len(cache) != self.config.n_layers:
+            raise ValueError(f"the cache has {len(cache)} layers, the model {self.config.n_layers}; "
+                             "start with cache=None")
         x = self.token_embedding(idx)  # [B, T, d_model], no position embedding
         new_cache = []
         for layer, block in enumerate(self.blocks):

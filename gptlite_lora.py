@@ -83,7 +83,7 @@ class LoRAAdapter(nn.Module):
         self.A = nn.ParameterList([nn.Parameter(torch.randn(rank, m.in_features) / m.in_features**0.5)
                                    for m in linears])
         self.B = nn.ParameterList([nn.Parameter(torch.zeros(m.out_features, rank)) for m in linears])
-        self.names = target_names(len(model.blocks), self.targets)
+        self.names = target_names(model.config.n_layers, self.targets)
 
     def config(self):
         return dict(rank=self.rank, alpha=self.alpha, targets=list(self.targets))
@@ -168,7 +168,7 @@ def adapter_from_peft(peft, base):
 @torch.no_grad()
 def merge_adapter(model, adapter):
     """A copy of `model` (any GPTlite class) with W + s B A in every targeted linear."""
-    merged = type(model)(**iu.model_config(model)).to(model.fc_out.weight.device)
+    merged = type(model).from_config(model.config).to(model.fc_out.weight.device)
     merged.load_state_dict(model.state_dict())
     for i, name in enumerate(adapter.names):
         merged.get_submodule(name).weight += adapter.delta(i)

@@ -18,10 +18,12 @@ function, with a smaller cache whenever d_model < 2 * n_heads * d_head.
 `GPTlite_MLA` is a `GPTlite_KVCache`: forward(idx, kv_cache, max_seqlen) -> (logits, cache), so
 `generate_kvcache` works with it. Its cache is a list of one-element tuples (latents,) per layer.
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
 
-from gptlite import MultiHeadAttention
+from gptlite import GPTliteConfig, MultiHeadAttention
 from gptlite_gqa import grouped_query_attention
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, check_cache_shape, scaled_dot_product_attention_kv_cache
 
@@ -82,13 +84,22 @@ class MultiHeadAttention_MLA(MultiHeadAttention):
         return torch.einsum("bhtl,hdl->bhtd", out, W_uv) + self.value_up.bias.view(H, 1, D)  # [B, H, T, D]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAConfig(GPTliteConfig):
+    d_latent: int         # values of the one latent vector cached per token
+    absorb: bool = True   # attend with absorbed projections (True) or recomputed keys and values
+
+
 class GPTlite_MLA(GPTlite_KVCache):
     """GPTlite with a latent cache; state-dict keys as GPTlite's but for kv_down, key_up, value_up."""
+    config_class = MLAConfig
 
     def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_latent, d_ff=None,
                  absorb=True):
         check_d_latent(n_heads, d_head, d_model, d_latent)
         super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
+        self.config = MLAConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff,
+                                d_latent=d_latent, absorb=absorb)
         for block in self.blocks:
             block.mha = MultiHeadAttention_MLA(d_model, n_heads, d_head, dropout_p, d_latent, absorb)
         self.apply(self._init_weights)
@@ -97,6 +108,7 @@ class GPTlite_MLA(GPTlite_KVCache):
         """Attend with absorbed projections (True) or with recomputed keys and values (False); same weights."""
         for block in self.blocks:
             block.mha.absorb = absorb
+        self.config = dataclasses.replace(self.config, absorb=absorb)
         return self
 
     def check_cache(self, kv_cache, batch_size, max_seqlen):
@@ -105,7 +117,7 @@ class GPTlite_MLA(GPTlite_KVCache):
                              "dynamic latent cache) or the cache a GPTlite_MLA returned, not a StaticKVCache")
         C = kv_cache[0][0]
         got = (len(kv_cache), len(kv_cache[0]), C.shape[0], C.shape[1], C.shape[3])
-        expected = (len(self.blocks), 1, batch_size, 1, self.blocks[0].mha.d_latent)
+        expected = (self.config.n_layers, 1, batch_size, 1, self.config.d_latent)
         check_cache_shape(got, expected, C.dtype, self.fc_out.weight.dtype)
 
 

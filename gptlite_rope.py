@@ -100,11 +100,11 @@ def train_rope(preset, data, device, iters=None, seed=0, path=None):
     """Train GPTlite_RoPE with gptlite.py's recipe (steps, batch, learning rate, seed); save it atomically."""
     recipe = iu.preset_recipe(preset, iters, seed)
     torch.manual_seed(seed)
-    model = GPTlite_RoPE(**preset.model_config()).to(device)
+    model = GPTlite_RoPE(**preset.gptlite_kwargs()).to(device)
     print(f"training the rotary GPTlite ({iu.n_params(model) / 1e6:.2f}M parameters) for {recipe['iters']} steps "
           f"on {device}")
     train = lambda m: iu.train_recipe(m, data, recipe, f"training {preset.name}_rope")  # noqa: E731
-    return iu.train_and_save(model, preset.model_config(), path or rope_checkpoint(preset), train, data.vocab,
+    return iu.train_and_save(model, model.config.to_dict(), path or rope_checkpoint(preset), train, data.vocab,
                              rebuild_command(preset), stamp=recipe)[0]
 
 
@@ -113,9 +113,9 @@ def load_rope(preset, device, data, untrained=False, seed=0):
     untrained)."""
     recipe = iu.preset_recipe(preset, seed=seed)
     torch.manual_seed(seed)
-    model = GPTlite_RoPE(**preset.model_config()).to(device)
+    model = GPTlite_RoPE(**preset.gptlite_kwargs()).to(device)
     train = lambda m: iu.train_recipe(m, data, recipe, f"training {preset.name}_rope")  # noqa: E731
-    return iu.cached_model(model, preset.model_config(), rope_checkpoint(preset), train, data.vocab,
+    return iu.cached_model(model, model.config.to_dict(), rope_checkpoint(preset), train, data.vocab,
                            rebuild_command(preset), stamp=recipe, untrained=untrained, retrains=True)[0]
 
 

@@ -12,6 +12,7 @@ Embeddings, LayerNorms and the output head are replicated. Each rank's KV cache 
 a GPTlite_TP is a GPTlite_KVCache built with n_heads / N heads and d_ff / N neurons, so the cache,
 generate_kvcache and the rest of the KV-cache code work unchanged.
 """
+import dataclasses
 import time
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlite import GPTliteConfig
 from gptlite_kvcache import GPTlite_KVCache
 
 COLUMN_PARALLEL = ("mha.query_proj.weight", "mha.query_proj.bias", "mha.key_proj.weight", "mha.key_proj.bias",
@@ -87,16 +89,25 @@ class RowParallelLinear(nn.Linear):
         return self.all_reduce(y) + self.bias  # the bias once, after the sum
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TPConfig(GPTliteConfig):
+    """The whole model's sizes (n_heads, d_ff of all ranks together) and the number of ranks."""
+    world_size: int = 1
+
+
 class GPTlite_TP(GPTlite_KVCache):
-    """One rank's GPTlite: n_heads / N heads and d_ff / N neurons per block, two all-reduces per block."""
+    """One rank's GPTlite: n_heads / N heads and d_ff / N neurons per block, two all-reduces per block.
+    Its config is the whole model's (TPConfig), the process group is not part of it."""
+    config_class = TPConfig
 
     def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff=None,
                  world_size=1, group=None):
-        d_ff = d_ff or 4 * d_model
-        check_tp_size(n_heads, d_ff, world_size)
-        heads, neurons = n_heads // world_size, d_ff // world_size
+        config = TPConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff,
+                          world_size=world_size)
+        check_tp_size(n_heads, config.d_ff, world_size)
+        heads, neurons = n_heads // world_size, config.d_ff // world_size
         super().__init__(vocab_size, d_model, heads, d_head, n_layers, dropout_p, seqlen, d_ff=neurons)
-        self.world_size = world_size
+        self.config = config
         self.all_reduce = AllReduce(world_size, group)  # shared by every row-parallel layer: one set of counts
         for block in self.blocks:
             block.mha.out_proj = RowParallelLinear(heads * d_head, d_model, self.all_reduce)

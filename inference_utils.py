@@ -89,12 +89,12 @@ def train_checkpoint(preset, data, device, iters=None, seed=0, path=None):
     gptlite.py's command. A diverged run raises TrainingDiverged before saving."""
     preset, recipe = get_preset(preset), preset_recipe(get_preset(preset), iters, seed)
     torch.manual_seed(seed)
-    model = GPTlite(**preset.model_config()).to(device)
+    model = GPTlite(**preset.gptlite_kwargs()).to(device)
     print(f"training preset {preset.name!r} ({n_params(model) / 1e6:.2f}M parameters) for {recipe['iters']} "
           f"steps on {device}")
     rebuild = gptlite_command(preset.name, iters if recipe["iters"] != preset.iters else None, seed)
     train = lambda m: train_recipe(m, data, recipe, f"training {preset.name}")  # noqa: E731
-    return train_and_save(model, preset.model_config(), path or checkpoint_path(preset.name), train, data.vocab,
+    return train_and_save(model, model.config.to_dict(), path or checkpoint_path(preset.name), train, data.vocab,
                           rebuild, stamp=recipe)[0]
 
 
@@ -105,7 +105,7 @@ def load_model(model_class, preset, device="cpu", data=None, untrained=False, pa
     weights. `rebuild`: the command named in the errors (default: gptlite.py's). `model_kwargs`: extra
     constructor arguments of variants (e.g. n_groups). Returns the model on `device`, in eval mode."""
     preset = get_preset(preset)
-    config = preset.model_config()
+    config = preset.gptlite_kwargs()
     torch.manual_seed(seed)
     if untrained:
         return model_class(**config, **model_kwargs).to(device).eval()
@@ -284,20 +284,10 @@ def n_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def model_config(model):
-    """The GPTlite(**config) of a (possibly pruned) GPTlite, read from its modules; d_ff only when it
-    is not the default 4 * d_model, so that an unpruned model's config is its preset's."""
-    mha, d_model = model.blocks[0].mha, model.token_embedding.embedding_dim
-    config = dict(vocab_size=model.token_embedding.num_embeddings, d_model=d_model, n_heads=mha.n_heads,
-                  d_head=mha.d_head, n_layers=len(model.blocks), dropout_p=mha.dropout.p, seqlen=model.seqlen)
-    d_ff = model.blocks[0].ffwd.net[0].out_features
-    return config if d_ff == 4 * d_model else dict(config, d_ff=d_ff)
-
-
 def kv_cache_model(model):
     """A GPTlite_KVCache with the config and weights of the GPTlite `model`, on its device, in eval mode."""
     weight = model.fc_out.weight
-    cached = GPTlite_KVCache(**model_config(model)).to(weight.device, weight.dtype)
+    cached = GPTlite_KVCache.from_config(model.config).to(weight.device, weight.dtype)
     cached.load_state_dict(model.state_dict())
     return cached.eval()
 
@@ -333,8 +323,9 @@ def measure_models(models, data, n_tokens, prompt_len, batch_size, device, repea
 
 
 def save_and_reload(path, model, config, vocab, rebuild, **meta):
-    """Save `model` with its config, load it back as type(model)(**config) and check that the logits are
-    identical; only then does the file replace `path` (an error leaves whatever was there)."""
+    """Save `model` with `config` (model.config.to_dict(): its constructor's keyword arguments), load it back
+    as type(model)(**config) and check that the logits are identical; only then does the file replace
+    `path` (an error leaves whatever was there)."""
     device = next(model.parameters()).device
     x = torch.randint(config["vocab_size"], (2, config["seqlen"]), device=device)
     with atomic_file(path) as tmp:

@@ -70,7 +70,7 @@ def student_preset(preset):
                                   n_heads=max(round(preset.n_heads * 2 / 3), 1))
     if preset.name == "gptlite":
         distilled = presets.PRESETS["distilled"]
-        assert student.model_config() == distilled.model_config(), "the rule must give the distilled preset"
+        assert student.gptlite_kwargs() == distilled.gptlite_kwargs(), "the rule must give the distilled preset"
         return distilled
     return student
 
@@ -132,7 +132,7 @@ def main(argv=None):
     teacher = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     teacher.requires_grad_(False)  # frozen: eval mode (load_model) and no gradients
     student_cfg = student_preset(preset)
-    config = student_cfg.model_config()
+    config = student_cfg.gptlite_kwargs()
     iters = args.iters if args.iters is not None else DEFAULT_ITERS.get(preset.name, student_cfg.iters)
     batch_size = args.batch_size if args.batch_size is not None else preset.batch_size
     print(f"teacher: {preset.name} ({iu.n_params(teacher) / 1e6:.2f}M parameters); student: {config} "

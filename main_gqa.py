@@ -42,7 +42,7 @@ def convert_and_uptrain(base, data, preset, window, prompts, n_tokens, steps, lr
     models, rows, checks = {}, [], {}
     for n_groups in group_counts(preset.n_heads):
         name = variant_name(n_groups, preset.n_heads)
-        model = models[name] = gqa_from_mha(base.state_dict(), preset.model_config(), n_groups).to(device).eval()
+        model = models[name] = gqa_from_mha(base.state_dict(), base.config.to_dict(), n_groups).to(device).eval()
         checks[name] = training.cached_matches_full(model, window[:8])  # correctness first
         if n_groups == preset.n_heads:
             checks["MHA conversion exact"] = mha_conversion_is_exact(base, model, window[:8], prompts[:8],
@@ -129,7 +129,8 @@ def main(argv=None):
 
     if args.save is not None:
         row = next(r for r in rows if r["n_groups"] == save_groups)
-        iu.save_and_reload(args.save, models[row["variant"]], {**preset.model_config(), "n_groups": save_groups},
+        model = models[row["variant"]]
+        iu.save_and_reload(args.save, model, model.config.to_dict(),
                            data.vocab, files.rebuild_command("main_gqa.py", argv, preset), preset=preset.name,
                            converted_from="mha", uptrain_steps=steps, val_loss=row["val_loss"],
                            untrained=args.untrained)

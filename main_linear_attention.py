@@ -22,6 +22,7 @@ Checks first: every linear model's chunked form gives the logits of its recurren
 plus one-token decoding with the carried state gives the logits of the full pass. Nothing is written
 unless they pass.
 """
+import dataclasses
 import math
 import statistics
 
@@ -73,7 +74,7 @@ def train_language_models(preset, data, device, untrained, seed, rebuild):
     seconds = {}
     recipe = iu.preset_recipe(preset, seed=seed)
     for name, (rule, hybrid_every) in KINDS.items():
-        config = linear_config(preset.model_config(), rule, hybrid_every)
+        config = linear_config(preset.gptlite_kwargs(), rule, hybrid_every)
         torch.manual_seed(seed)
         train = lambda m, name=name: iu.train_recipe(m, data, recipe, f"training {name}")  # noqa: E731
         model, seconds[name] = iu.cached_model(GPTlite_Linear(**config).to(device), config,
@@ -96,11 +97,10 @@ def long_softmax(model, context):
     (timing only beyond the trained window)."""
     if context <= model.seqlen:
         return model
-    config = dict(iu.model_config(model), seqlen=context)
     state = dict(model.state_dict())
     table = state["position_embedding.weight"]
     state["position_embedding.weight"] = torch.cat([table, table[-1:].expand(context - len(table), -1)])
-    long = GPTlite_KVCache(**config).to(table.device).eval()
+    long = GPTlite_KVCache.from_config(dataclasses.replace(model.config, seqlen=context)).to(table.device).eval()
     long.load_state_dict(state)
     return long
 

@@ -51,14 +51,14 @@ def absorbed_against_recomputed(model, window):
 def cache_figures(model, window):
     """The cache at a full window [B, S]: in MB, and in float values per token and layer."""
     kv_bytes = iu.kv_cache_bytes(model(window)[1])
-    per_token = kv_bytes // (window.numel() * len(model.blocks) * model.fc_out.weight.element_size())
+    per_token = kv_bytes // (window.numel() * model.config.n_layers * model.fc_out.weight.element_size())
     return dict(kv_cache_mb=kv_bytes / 2**20, cache_per_token=per_token)
 
 
 def convert_and_uptrain(base, data, preset, latents, window, prompts, steps, lr, seed, device):
     """MHA (the control), then every latent size: convert, check, uptrain. Returns the rows, the generation
     calls {name: fn(n)} (MLA twice: absorbed and recomputed) and the checks."""
-    state, config, seqlen = base.state_dict(), preset.model_config(), preset.seqlen
+    state, config, seqlen = base.state_dict(), base.config.to_dict(), preset.seqlen
     full = max_latent(preset.n_heads, preset.d_head, preset.d_model)
     checks, rows, fns = {}, [], {}
     mha = gqa_from_mha(state, config, preset.n_heads).to(device).eval()  # MHA, as a model with a cache
@@ -95,7 +95,7 @@ def gqa_points(base, data, preset, window, steps, lr, seed, device):
     points = []
     for n_groups in group_counts(preset.n_heads)[1:]:  # GQA and MQA; MHA is a row already
         name = variant_name(n_groups, preset.n_heads)
-        model = gqa_from_mha(base.state_dict(), preset.model_config(), n_groups).to(device).eval()
+        model = gqa_from_mha(base.state_dict(), base.config.to_dict(), n_groups).to(device).eval()
         figures = cache_figures(model, window)
         before, after = training.uptrain(model, data, preset, steps, lr, seed, name)
         points.append(dict(variant=name, n_groups=n_groups, **figures, val_loss=after, loss_converted=before))

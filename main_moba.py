@@ -76,7 +76,7 @@ def cost_figures(block_size, top_k, preset, n_dense_blocks):
 def uptrained(model, name, path, meta, data, preset, steps, lr, seed, rebuild):
     """`model` uptrained with MoBA: the checkpoint at `path` when it was made from the same base
     checkpoint with the same budget (`meta`, its stamp), else trained now and saved there (None: never saved)."""
-    config = {**preset.model_config(), "block_size": model.block_size, "top_k": model.top_k}
+    config = model.config.to_dict()  # GPTlite's and block_size, top_k
     train = lambda m: training.train_steps(m, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed,  # noqa: E731
                                            eval_interval=steps, desc=f"uptraining {name}")
     return iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=meta)[0]
@@ -135,7 +135,7 @@ def main(argv=None):
     args, parser, check_args = parse_args(argv)
     preset, device, data = harness.setup(args, parser, check_args)
     steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
-    config, nb = preset.model_config(), n_blocks(preset.seqlen, args.block_size)
+    config, nb = preset.gptlite_kwargs(), n_blocks(preset.seqlen, args.block_size)
     top_ks = sorted(args.top_k, reverse=True)
 
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)

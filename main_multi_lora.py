@@ -58,7 +58,7 @@ def load_or_train(base, data, slice_data, args, preset, speaker, argv):
     """The saved adapter when its file has this run's settings; else train one (and save it if trained base)."""
     config = dict(rank=args.rank, alpha=args.alpha, targets=list(args.targets))
     stamp = dict(speaker=speaker, steps=args.lora_steps, batch_size=args.lora_batch_size, lr=args.lr, seed=args.seed,
-                 base_sha256=files.checkpoint_sha256(preset.model_config(), data.vocab, base.state_dict()))
+                 base_sha256=files.checkpoint_sha256(preset.gptlite_kwargs(), data.vocab, base.state_dict()))
     path = None if args.untrained else adapter_path(preset, speaker, args.rank, args.targets)  # random base: not saved
     peft_diff = {}
 
@@ -184,7 +184,7 @@ def parse_args(argv):
         if len(set(args.speakers)) != len(args.speakers):
             parser.error("--speakers: name each speaker once")
         with torch.device("meta"):  # the preset's layer widths, without weights
-            shape = GPTlite_KVCache(**preset.model_config())
+            shape = GPTlite_KVCache(**preset.gptlite_kwargs())
         try:
             check_lora_args(args.rank, args.targets, args.alpha, shape)
         except ValueError as e:

@@ -141,7 +141,7 @@ def system_prompt_workload(store, system, questions, setting):
     stats = dict(store.stats(), cache_bytes=store.nbytes)  # over the stream, the first question misses
     rows = store_rows("system prompt + question", store, torch.cat([system, questions[-1]]), setting)
     wrong = system.clone()
-    wrong[1] = (wrong[1] + 1) % store.model.token_embedding.num_embeddings
+    wrong[1] = (wrong[1] + 1) % store.model.config.vocab_size
     rows += store_rows("one early token differs", store, torch.cat([wrong, questions[-1]]), setting)
 
     text = torch.cat([system, questions.flatten()])

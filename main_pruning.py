@@ -21,6 +21,7 @@ with --save PATH the best pruned model is kept, a plain GPTlite whose config has
 files.load_checkpoint(PATH), then GPTlite(**ckpt["config"]).
 """
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -44,13 +45,13 @@ def compute_importance(model, data, n_batches, batch_size, seqlen, seed=0):
     if min(n_batches, batch_size) < 1 or not 1 <= seqlen <= model.seqlen:
         raise ValueError(f"need n_batches, batch_size >= 1 and 1 <= seqlen <= {model.seqlen}, "
                          f"got {n_batches}, {batch_size}, {seqlen}")
-    device = next(model.parameters()).device
-    heads = [torch.zeros(block.mha.n_heads, device=device) for block in model.blocks]
-    neurons = [torch.zeros(block.ffwd.net[0].out_features, device=device) for block in model.blocks]
+    device, config = next(model.parameters()).device, model.config
+    heads = [torch.zeros(config.n_heads, device=device) for _ in range(config.n_layers)]
+    neurons = [torch.zeros(config.d_ff, device=device) for _ in range(config.n_layers)]
 
-    def head_hook(layer, mha):
+    def head_hook(layer):
         def hook(module, args):  # forward pre-hook of out_proj: args[0] is the merged heads [B, S, H*D]
-            per_head = args[0].unflatten(-1, (mha.n_heads, mha.d_head))  # [B, S, H, D]
+            per_head = args[0].unflatten(-1, (config.n_heads, config.d_head))  # [B, S, H, D]
             heads[layer] += per_head.norm(dim=-1).sum(dim=(0, 1))  # [H]
         return hook
 
@@ -61,7 +62,7 @@ def compute_importance(model, data, n_batches, batch_size, seqlen, seed=0):
 
     handles = []
     for layer, block in enumerate(model.blocks):
-        handles.append(block.mha.out_proj.register_forward_pre_hook(head_hook(layer, block.mha)))
+        handles.append(block.mha.out_proj.register_forward_pre_hook(head_hook(layer)))
         handles.append(block.ffwd.net[1].register_forward_hook(neuron_hook(layer)))
     was_training = model.training
     model.eval()
@@ -101,20 +102,21 @@ def prune_linear(linear, rows=None, columns=None):
 def prune(model, heads, neurons, n_heads, n_neurons):
     """Keep the n_heads most important heads and n_neurons most important MLP neurons of every block,
     slicing the weights in place. heads, neurons: one score tensor per block, [n_heads] and [d_ff], as
-    compute_importance returns them (or stacked: [n_layers, n_heads], [n_layers, d_ff]). Returns the model."""
-    blocks = model.blocks
-    H, d_ff = blocks[0].mha.n_heads, blocks[0].ffwd.net[0].out_features
+    compute_importance returns them (or stacked: [n_layers, n_heads], [n_layers, d_ff]). Returns the model,
+    whose config now has n_heads and d_ff = n_neurons."""
+    config = model.config
+    H, d_ff, L, D = config.n_heads, config.d_ff, config.n_layers, config.d_head
     shapes = [tuple(t.shape) for t in heads], [tuple(t.shape) for t in neurons]
-    if shapes != ([(H,)] * len(blocks), [(d_ff,)] * len(blocks)):
+    if shapes != ([(H,)] * L, [(d_ff,)] * L):
         raise ValueError(f"importance scores of shapes {shapes[0]} and {shapes[1]} do not fit the model: "
-                         f"expected {len(blocks)} of ({H},) and {len(blocks)} of ({d_ff},)")
+                         f"expected {L} of ({H},) and {L} of ({d_ff},)")
     for name, keep, have in [("n_heads", n_heads, H), ("n_neurons", n_neurons, d_ff)]:
         if not isinstance(keep, int) or not 1 <= keep <= have:
             raise ValueError(f"{name} (kept per block) must be an integer between 1 and {have}, got {keep!r}")
-    for layer, block in enumerate(blocks):
+    for layer, block in enumerate(model.blocks):
         mha, mlp = block.mha, block.ffwd.net
         kept = top_indices(heads[layer], n_heads).to(mha.out_proj.weight.device)  # [n_heads]
-        dims = (kept[:, None] * mha.d_head + torch.arange(mha.d_head, device=kept.device)).flatten()  # [n_heads*D]
+        dims = (kept[:, None] * D + torch.arange(D, device=kept.device)).flatten()  # [n_heads*D]
         mha.query_proj = prune_linear(mha.query_proj, rows=dims)
         mha.key_proj = prune_linear(mha.key_proj, rows=dims)
         mha.value_proj = prune_linear(mha.value_proj, rows=dims)
@@ -123,6 +125,7 @@ def prune(model, heads, neurons, n_heads, n_neurons):
         kept = top_indices(neurons[layer], n_neurons).to(mlp[0].weight.device)  # [n_neurons]
         mlp[0] = prune_linear(mlp[0], rows=kept)
         mlp[2] = prune_linear(mlp[2], columns=kept)
+    model.config = dataclasses.replace(config, n_heads=n_heads, d_ff=n_neurons)
     return model
 
 
@@ -134,7 +137,7 @@ def logits_with_zeroed(model, keep_heads, keep_neurons, x):
     zeroed = copy.deepcopy(model).eval()
     for block, kept_heads, kept_neurons in zip(zeroed.blocks, keep_heads, keep_neurons):
         out_proj, mlp_out = block.mha.out_proj, block.ffwd.net[2]
-        head_of_column = torch.arange(out_proj.in_features, device=x.device) // block.mha.d_head  # [H*D]
+        head_of_column = torch.arange(out_proj.in_features, device=x.device) // model.config.d_head  # [H*D]
         neuron_of_column = torch.arange(mlp_out.in_features, device=x.device)  # [d_ff]
         out_proj.weight[:, ~torch.isin(head_of_column, kept_heads.to(x.device))] = 0
         mlp_out.weight[:, ~torch.isin(neuron_of_column, kept_neurons.to(x.device))] = 0
@@ -159,8 +162,9 @@ def random_pruning_losses(teacher, data, n_heads, n_neurons, draws, seed):
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(draws):
-        heads = [torch.rand(block.mha.n_heads, generator=generator) for block in teacher.blocks]
-        neurons = [torch.rand(block.ffwd.net[0].out_features, generator=generator) for block in teacher.blocks]
+        config = teacher.config
+        heads = [torch.rand(config.n_heads, generator=generator) for _ in range(config.n_layers)]
+        neurons = [torch.rand(config.d_ff, generator=generator) for _ in range(config.n_layers)]
         losses.append(training.validation_loss(prune(copy.deepcopy(teacher), heads, neurons, n_heads, n_neurons), data))
     return losses
 
@@ -176,7 +180,7 @@ def iterative_pruning(teacher, data, importance, distill, keep, n_stages, n_head
     """n_stages times: re-score, prune to the next size (1 - keep of the original removed in equal steps),
     distill; iters steps in all. Returns the model, its loss right after the last prune and its curve."""
     model, done, curve = copy.deepcopy(teacher), 0, []
-    H, d_ff = teacher.blocks[0].mha.n_heads, teacher.blocks[0].ffwd.net[0].out_features
+    H, d_ff = teacher.config.n_heads, teacher.config.d_ff
     for stage in range(1, n_stages + 1):
         fraction = 1 - (1 - keep) * stage / n_stages
         heads, neurons = importance(model)
@@ -189,10 +193,10 @@ def iterative_pruning(teacher, data, importance, distill, keep, n_stages, n_head
 
 
 def from_scratch(config, data, distill, iters, seed, device):
-    """The baseline: the pruned architecture from random weights, distilled with the same budget.
-    Returns the model, its loss before training and its curve."""
+    """The baseline: the pruned architecture (`config`, a GPTliteConfig) from random weights, distilled with
+    the same budget. Returns the model, its loss before training and its curve."""
     torch.manual_seed(seed)
-    model = GPTlite(**config).to(device)
+    model = GPTlite.from_config(config).to(device)
     return (model, *distill_curve(distill, model, data, iters, "random init, distilling"))
 
 
@@ -262,7 +266,7 @@ def main(argv=None):
     iters = args.iters if args.iters is not None else DEFAULT_ITERS.get(preset.name, 2000)
     lr = args.lr if args.lr is not None else preset.lr
     batch_size = args.batch_size if args.batch_size is not None else preset.batch_size
-    H, d_ff = preset.n_heads, 4 * preset.d_model
+    H, d_ff = teacher.config.n_heads, teacher.config.d_ff
     n_heads, n_neurons = max(round(args.keep * H), 1), max(round(args.keep * d_ff), 1)
     loss = functools.partial(distillation_loss, temperature=args.temperature, alpha=args.alpha)
     distill = functools.partial(training.train_steps, data=data, batch_size=batch_size, seqlen=preset.seqlen, lr=lr,
@@ -281,7 +285,7 @@ def main(argv=None):
     # (2) iteratively, the same total steps; (3) the baseline: the same architecture from random weights
     iterative, pruned_loss["iterative"], curves["iterative"] = iterative_pruning(
         teacher, data, importance, distill, args.keep, n_stages(args.keep, args.step), n_heads, n_neurons, iters)
-    config = iu.model_config(one_shot)
+    config = one_shot.config  # the pruned n_heads and d_ff
     scratch, pruned_loss["random init"], curves["random init"] = from_scratch(config, data, distill, iters,
                                                                              args.seed, device)
 
@@ -309,17 +313,17 @@ def main(argv=None):
                               "this is a bug (nothing written)")
 
     if args.save:
-        iu.save_and_reload(args.save, students[best], config, data.vocab,
+        iu.save_and_reload(args.save, students[best], config.to_dict(), data.vocab,
                            files.rebuild_command("main_pruning.py", argv, preset), teacher=preset.name, variant=best,
                            iters=iters, val_loss=val_losses[best])
     if args.plot:
         plot_curves(curves, val_losses["original"], args.plot,
                     f"pruning {preset.name} to {args.keep:g} of the heads and neurons ({device})")
     if args.json:
-        harness.save_json(args.json, "main_pruning.py", preset, device, rows, untrained=args.untrained, config=config,
-                     iters=iters, lr=lr, temperature=args.temperature, alpha=args.alpha, curves=curves,
-                     random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best, saved=args.save,
-                     summary=summary)
+        harness.save_json(args.json, "main_pruning.py", preset, device, rows, untrained=args.untrained,
+                          config=config.to_dict(), iters=iters, lr=lr, temperature=args.temperature, alpha=args.alpha,
+                          curves=curves, random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best,
+                          saved=args.save, summary=summary)
 
 
 if __name__ == "__main__":

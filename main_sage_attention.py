@@ -228,7 +228,7 @@ def run_checks(n_heads, d_head, seed):
 def model_rows(model, data, prompts, args, seqlen):
     """Per variant: errors on random offset inputs and on the model's own Q, K, V (the worst layer),
     validation loss and greedy-token agreement with the variant in every layer."""
-    H, D = model.blocks[0].mha.n_heads, model.blocks[0].mha.d_head
+    H, D = model.config.n_heads, model.config.d_head
     q, k, v = offset_inputs(4, H, seqlen, D, args.offset, args.seed)
     x = corpus.get_batch(data.val, 8, seqlen, torch.Generator().manual_seed(args.seed + 1))[0].to(prompts.device)
     layers = capture_qkv(model, x)

@@ -55,7 +55,7 @@ def run_checks(base, cached, rope, windows, prompts, n_tokens, methods_full):
 @torch.inference_mode()
 def quality_rows(base, windows, prompts, n_tokens, budgets, n_sink, page_size):
     """Loss (teacher forcing at every position), greedy agreement with dense, KV bytes kept and read."""
-    cfg = base.blocks[0].mha
+    cfg = base.config
     dense_tokens = kb.generate_budget(base, prompts, n_tokens, kb.Dense())[:, prompts.shape[1]:]
     variants = [kb.Dense()] + [kb.make_method(name, b, n_sink, page_size) for b in budgets for name in METHODS]
     rows = []
@@ -65,7 +65,7 @@ def quality_rows(base, windows, prompts, n_tokens, budgets, n_sink, page_size):
         tokens = kb.generate_budget(base, prompts, n_tokens, method)[:, prompts.shape[1]:]
         same = tokens == dense_tokens  # [B, n_tokens]
         first_diff = torch.where(same.all(dim=1), n_tokens, (~same).float().argmax(dim=1)).float().mean().item()
-        kept, read = kb.kv_bytes(method, base.seqlen, len(base.blocks), cfg.n_heads, cfg.d_head)
+        kept, read = kb.kv_bytes(method, base.seqlen, cfg.n_layers, cfg.n_heads, cfg.d_head)
         dense = rows[0]["val_loss"] if rows else loss
         rows.append(harness.make_row(f"{method.name}" + (f" {method.budget}" if method.budget else ""), method=method.name,
                                 budget=method.budget or base.seqlen, val_loss=loss,
@@ -115,7 +115,7 @@ def stream_variants(base, cached, rope, W, n_sink):
         label = f"rotary: {'window' if method.name == 'window' else f'{n_sink} sinks +'} cache {W}"
 
         def fn(x, method=method, label=label):
-            cache = kb.BudgetCache(len(rope.blocks), n_first=max(n_sink, 1))
+            cache = kb.BudgetCache(rope.config.n_layers, n_first=max(n_sink, 1))
             return kb.teacher_forced_logits(rope, x, method, cache, progress=bar(label)), cache
         variants[label] = (fn, fn)
     return variants

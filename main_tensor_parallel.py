@@ -214,7 +214,7 @@ def main(argv=None):
 
 def experiment(args, preset, d, data):
     single = iu.load_model(GPTlite_KVCache, preset, d.device, data, untrained=args.untrained, seed=args.seed)
-    tp = tensor_parallel_model(single.state_dict(), preset.model_config(), d.rank, d.world_size)
+    tp = tensor_parallel_model(single.state_dict(), single.config.to_dict(), d.rank, d.world_size)
     window = corpus.sample_prompts(data, 8, preset.seqlen, seed=args.seed, device=d.device)  # full windows
     prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=d.device)
     diff, same = agree(*tp_matches_single(tp, single, window, window[:, :args.prompt_len], args.n_tokens,

@@ -159,8 +159,8 @@ def start_receiver(model, requests, src=PREFILL_RANK):
     sent: (seq_id, first token, payload or None if its checksum failed); an exception if a receive
     failed (a dead or silent peer). gloo's irecv reports completion only when waited on, hence a thread."""
     inbox = queue.Queue()
-    mha, weight = model.blocks[0].mha, model.fc_out.weight
-    L, H, D = len(model.blocks), mha.n_heads, mha.d_head
+    config, weight = model.config, model.fc_out.weight
+    L, H, D = config.n_layers, config.n_heads, config.d_head
 
     def receive():
         try:

@@ -271,7 +271,7 @@ def forward_budget(model, idx, cache, method):
 def generate_budget(model, prompt, n_tokens, method):
     """Greedy decoding as generate_kvcache, attending within `method`'s budget. Returns [B, S + n_tokens]."""
     check_generation_args(model, prompt, n_tokens, model.seqlen)
-    cache = BudgetCache(len(model.blocks))
+    cache = BudgetCache(model.config.n_layers)
     token = forward_budget(model, prompt, cache, method)[:, -1:].argmax(dim=-1)  # [B, 1]
     tokens = [token]
     for _ in range(n_tokens - 1):
@@ -283,7 +283,7 @@ def generate_budget(model, prompt, n_tokens, method):
 @torch.inference_mode()
 def teacher_forced_logits(model, tokens, method, cache=None, progress=None):
     """Feed tokens [B, S] one at a time through the budgeted cache: logits [B, S, vocab] at every position."""
-    cache = BudgetCache(len(model.blocks)) if cache is None else cache
+    cache = BudgetCache(model.config.n_layers) if cache is None else cache
     steps = range(tokens.shape[1]) if progress is None else progress(range(tokens.shape[1]))
     return torch.cat([forward_budget(model, tokens[:, t:t + 1], cache, method) for t in steps], dim=1)
 

@@ -1,7 +1,7 @@
 """MoBA (Mixture of Block Attention, Lu et al. 2025, arXiv 2502.13189) for GPTlite.
 
     from lib.moba import GPTlite_MoBA
-    model = GPTlite_MoBA(**preset.model_config(), block_size=16, top_k=2)  # loads GPTlite's state dict
+    model = GPTlite_MoBA(**gptlite.config.to_dict(), block_size=16, top_k=2)  # loads gptlite's state dict
 
 Blog section: "Trainable sparse attention". The keys are split into blocks of `block_size` tokens.
 Every query scores each past block by its dot product with the block's mean key (a router with no
@@ -14,13 +14,14 @@ Two ways to compute it with the same selection: an explicit boolean mask over th
 device, and the training path on CPU), and FlexAttention with a block mask built from a `mask_mod` that
 reads the selection (compiled where the device runs it; see make_flex_check).
 """
+import dataclasses
 import math
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from gptlite import GPTlite, MultiHeadAttention
+from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
 
 
 def check_moba_args(block_size, top_k, seqlen=None):
@@ -146,8 +147,15 @@ class MultiHeadAttention_MoBA(MultiHeadAttention):
         return self.dropout(self.out_proj(self.merge_heads(out)))  # [B, S, d_model]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoBAConfig(GPTliteConfig):
+    block_size: int  # tokens per key block
+    top_k: int       # blocks each query reads, its own included
+
+
 class GPTlite_MoBA(GPTlite):
     """GPTlite whose every block attends with MoBA; its state dict is GPTlite's (the router has no weights)."""
+    config_class = MoBAConfig
 
     def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, block_size, top_k,
                  d_ff=None):
@@ -156,7 +164,8 @@ class GPTlite_MoBA(GPTlite):
         for block in self.blocks:
             block.mha = MultiHeadAttention_MoBA(d_model, n_heads, d_head, dropout_p, block_size, top_k)
         self.apply(self._init_weights)
-        self.block_size, self.top_k = block_size, top_k
+        self.config = MoBAConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff,
+                                 block_size=block_size, top_k=top_k)
 
     def use_flex(self, flex):
         """Compute attention with `flex` (a flex_attention function) from now on; None: the explicit mask."""

@@ -327,8 +327,8 @@ class ModelRunner:
 
     def __init__(self, model, n_blocks, block_size):
         self.model = model  # a GPTlite or GPTlite_KVCache: only its modules are used
-        mha, weight = model.blocks[0].mha, model.fc_out.weight
-        shape = (len(model.blocks), n_blocks * block_size, mha.n_heads, mha.d_head)
+        config, weight = model.config, model.fc_out.weight
+        shape = (config.n_layers, n_blocks * block_size, config.n_heads, config.d_head)
         self.k_pool = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
         self.v_pool = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
 
@@ -360,7 +360,7 @@ class ModelRunner:
                          as_tensor(rows), as_tensor(cols), mask[:, None], last_rows)
 
     def attention(self, layer, mha, x, step):
-        H, D = mha.n_heads, mha.d_head
+        H, D = self.model.config.n_heads, self.model.config.d_head
         q, k, v = (proj(x).view(-1, H, D) for proj in (mha.query_proj, mha.key_proj, mha.value_proj))  # [T_new, H, D]
         self.k_pool[layer, step.write_slots] = k  # store the new keys and values in their blocks
         self.v_pool[layer, step.write_slots] = v

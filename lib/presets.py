@@ -18,8 +18,9 @@ class Preset:
     iters: int         # training steps of the checkpoint
     vocab_size: int = 65  # tiny Shakespeare has 65 distinct characters
 
-    def model_config(self):
-        """The keyword arguments of GPTlite(...) for this preset."""
+    def gptlite_kwargs(self):
+        """The keyword arguments of GPTlite(...) for this preset (the dict its checkpoint stores; the model
+        built from them carries them as model.config, a GPTliteConfig)."""
         return dict(vocab_size=self.vocab_size, d_model=self.d_model, n_heads=self.n_heads,
                     d_head=self.d_head, n_layers=self.n_layers, dropout_p=self.dropout_p,
                     seqlen=self.seqlen)

@@ -103,7 +103,7 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["teacher", "hard labels", "soft labels", "soft + hard (alpha=0.5)"]
-    student_params = sum(p.numel() for p in GPTlite(**student_preset(presets.PRESETS["cpu"]).model_config()).parameters())
+    student_params = sum(p.numel() for p in GPTlite(**student_preset(presets.PRESETS["cpu"]).gptlite_kwargs()).parameters())
     assert rows["teacher"]["params"] > 6 * student_params and rows["hard labels"]["params"] == student_params
     for r in rows.values():
         assert positive_or_none(r["tpot_ms"]) and r["tokens_per_s"] > 0 and r["val_loss"] > 0

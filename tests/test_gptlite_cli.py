@@ -18,5 +18,5 @@ def test_training_cli_saves_a_loadable_checkpoint_and_prints_a_sample(real_data,
     sample = out[out.index("\n", out.index("saved ")) + 1:]
     assert len(sample) == 20 + 1  # 20 characters, then print's newline
     ckpt = torch.load(tmp_path / "cpu.pt", weights_only=True)
-    assert ckpt["config"] == presets.PRESETS["cpu"].model_config() and ckpt["meta"]["stamp"]["iters"] == 2
+    assert ckpt["config"] == presets.PRESETS["cpu"].gptlite_kwargs() and ckpt["meta"]["stamp"]["iters"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["cpu.pt"]

@@ -164,7 +164,7 @@ def test_missing_checkpoint_is_trained_saved_and_loads_in_every_class(tmp_path):
     model = iu.load_model(GPTlite, preset, data=data, path=path)
     assert path.exists() and not list(tmp_path.glob("*.tmp*"))
     ckpt = torch.load(path, weights_only=True)
-    assert ckpt["config"] == preset.model_config() and ckpt["vocab"] == data.vocab
+    assert ckpt["config"] == preset.gptlite_kwargs() and ckpt["vocab"] == data.vocab
     cached = iu.load_model(GPTlite_KVCache, preset, data=data, path=path)  # the same state dict
     for (k, a), (_, b) in zip(model.state_dict().items(), cached.state_dict().items()):
         assert torch.equal(a, b), k
@@ -281,10 +281,10 @@ def test_the_checksum_covers_names_dtypes_shapes_and_bytes():
 
 def test_the_rebuild_command_is_saved_and_named_in_the_errors(tmp_path):
     data = synthetic_data()
-    model = GPTlite(**tiny_preset_for(data).model_config())
+    model = GPTlite(**tiny_preset_for(data).gptlite_kwargs())
     path = tmp_path / "cpu_gqa.pt"
     command = "python main_gqa.py --preset cpu"
-    files.save_checkpoint(path, model, tiny_preset_for(data).model_config(), data.vocab, rebuild=command, steps=1)
+    files.save_checkpoint(path, model, tiny_preset_for(data).gptlite_kwargs(), data.vocab, rebuild=command, steps=1)
     assert files.load_checkpoint(path)["meta"] == {"steps": 1, "rebuild": command}
     torch.save(an_edited_weight(torch.load(path, weights_only=True)), path)
     with pytest.raises(CheckpointError, match=f"rebuild it with: {command}$"):  # read from the file
@@ -398,7 +398,7 @@ def an_infinite_loss(model, x, y):
 def test_a_diverging_run_stops_with_a_clear_error(n_steps, lr, loss_fn, message):
     data = synthetic_data()
     torch.manual_seed(0)
-    model = GPTlite(**tiny_preset_for(data).model_config())
+    model = GPTlite(**tiny_preset_for(data).gptlite_kwargs())
     with pytest.raises(TrainingDiverged, match=message + r".*lower learning rate"):
         training.train_steps(model, data, n_steps, batch_size=4, seqlen=16, lr=lr, loss_fn=loss_fn)
 
@@ -547,7 +547,7 @@ def test_require_checks_names_every_failed_check():
 
 def tiny_cached(path, train, stamp=None, rebuild="python main_x.py --preset tiny"):
     data = synthetic_data()
-    config = tiny_preset_for(data).model_config()
+    config = tiny_preset_for(data).gptlite_kwargs()
     torch.manual_seed(0)
     return iu.cached_model(GPTlite(**config), config, path, train, data.vocab, rebuild, stamp=stamp)
 

@@ -11,7 +11,7 @@ import main_pruning
 from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from inference_utils import kv_cache_model, model_config
+from inference_utils import kv_cache_model
 from main_pruning import compute_importance, logits_with_zeroed, prune, prune_linear, top_indices
 from test_distillation import quick_validation_loss
 from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
@@ -111,8 +111,8 @@ def test_prune_keeps_the_most_important_and_really_shrinks_the_weights(tiny_mode
     per_block = 3 * (d * hd + hd) + (hd * d + d) + (d * n + n) + (n * d + d) + 2 * 2 * d
     expected = V * d + S * d + L * per_block + 2 * d + (d * V + V)
     assert sum(p.numel() for p in pruned.parameters()) == expected
-    assert model_config(pruned) == dict(TINY, n_heads=2, d_ff=40) and model_config(base) == TINY
-    assert sum(p.numel() for p in GPTlite(**model_config(pruned)).parameters()) == expected
+    assert pruned.config.to_dict() == dict(TINY, n_heads=2, d_ff=40) and base.config.to_dict() == TINY
+    assert sum(p.numel() for p in GPTlite(**pruned.config.to_dict()).parameters()) == expected
     # the stacked [n_layers, n_heads] / [n_layers, d_ff] scores prune the same
     stacked = prune(copy.deepcopy(base), torch.stack(list(heads)), torch.stack(list(neurons)), 2, 40)
     assert all(torch.equal(a, b) for a, b in zip(stacked.state_dict().values(), pruned.state_dict().values()))
@@ -133,7 +133,7 @@ def test_pruned_model_saves_loads_runs_with_the_kv_cache_and_trains(tiny_models,
     base, _ = tiny_models
     heads, neurons = compute_importance(base, fake_data(), n_batches=2, batch_size=4, seqlen=TINY["seqlen"])
     pruned = prune(copy.deepcopy(base), heads, neurons, 1, 20)
-    config, data = model_config(pruned), fake_data()
+    config, data = pruned.config.to_dict(), fake_data()
     files.save_checkpoint(tmp_path / "pruned.pt", pruned, config, data.vocab)
     ckpt = files.load_checkpoint(tmp_path / "pruned.pt", vocab=data.vocab)
     model = GPTlite(**ckpt["config"]).eval()
@@ -212,9 +212,9 @@ def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
                           "random init + distill"]
     assert result["max_abs_diff_vs_zeroed"] < 1e-4
     p = presets.PRESETS["cpu"]
-    assert result["config"] == dict(p.model_config(), n_heads=p.n_heads // 2, d_ff=2 * p.d_model)
+    assert result["config"] == dict(p.gptlite_kwargs(), n_heads=p.n_heads // 2, d_ff=2 * p.d_model)
     small = sum(t.numel() for t in GPTlite(**result["config"]).parameters())
-    assert rows["original"]["params"] == sum(t.numel() for t in GPTlite(**p.model_config()).parameters())
+    assert rows["original"]["params"] == sum(t.numel() for t in GPTlite(**p.gptlite_kwargs()).parameters())
     assert rows["random prune (mean of 2)"]["val_pruned"] == pytest.approx(sum(result["random_prune_losses"]) / 2)
     for name in ("one-shot + distill", "iterative + distill", "random init + distill"):
         assert rows[name]["params"] == small and rows[name]["kv_cache_mb"] == rows["original"]["kv_cache_mb"] / 2

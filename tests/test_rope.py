@@ -87,7 +87,7 @@ def test_more_tokens_than_the_window_is_a_clear_error(tiny_rope):
 def test_train_save_and_reload(real_data, tmp_path):
     preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=4, lr=1e-3, iters=2)
     model = train_rope(preset, real_data, "cpu", path=tmp_path / "rope.pt")
-    ckpt = files.load_checkpoint(tmp_path / "rope.pt", config=preset.model_config(), vocab=real_data.vocab)
+    ckpt = files.load_checkpoint(tmp_path / "rope.pt", config=preset.gptlite_kwargs(), vocab=real_data.vocab)
     assert "position_embedding.weight" not in ckpt["state_dict"]
     reloaded = GPTlite_RoPE(**ckpt["config"]).eval()
     reloaded.load_state_dict(ckpt["state_dict"])
