@@ -312,7 +312,8 @@ def kv_cache_view(model):
     kin, GPTlite_RoPE); a GPTlite as a GPTlite_KVCache that shares its modules and weights, nothing copied
     (shallow copies of the model, its blocks and their attention modules, with the cached classes: these
     add no parameter). Callers that take any GPTlite (kv_budget, paged_engine) run through it."""
-    if isinstance(model, GPTlite_KVCache) or all(isinstance(block, Block_KVCache) for block in model.blocks):
+    if isinstance(model, GPTlite_KVCache) or (isinstance(model, GPTlite)
+                                              and all(isinstance(block, Block_KVCache) for block in model.blocks)):
         return model
     if type(model) is not GPTlite or any(type(b) is not Block or type(b.mha) is not MultiHeadAttention
                                          for b in model.blocks):
