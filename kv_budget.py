@@ -84,6 +84,9 @@ class BudgetCache(KVCache):
         return self
 
     def check_new_tokens(self, T):
+        if self.max_seqlen is None:
+            raise ValueError("this BudgetCache has no window yet: run it with kv_budget's functions, or call "
+                             "cache.use(method, model) first")
         if T > 1 and len(self) + T > self.max_seqlen:
             raise ValueError(f"{len(self)} cached + {T} new tokens exceed seqlen={self.max_seqlen}: feed them one "
                              "at a time")

@@ -287,3 +287,13 @@ def test_no_statistics_means_no_device_sync_in_the_decode_loop(tiny_models, tiny
     monkeypatch.undo()
     assert cache.n_steps == 20 and all(0 < m / 20 <= 1 for m in cache.first_mass)
     assert kb.BudgetCache(len(base.blocks)).stats is None
+
+
+def test_a_budget_cache_without_a_window_is_a_clear_error(tiny_models):
+    from gptlite_kvcache import kv_cache_view
+    base, _ = tiny_models
+    with pytest.raises(ValueError, match="no window yet"):
+        kv_cache_view(base)(torch.randint(65, (1, 3)), kv_cache=kb.BudgetCache(len(base.blocks)))
+    cache = kb.BudgetCache(len(base.blocks)).use(kb.SlidingWindow(4), base)
+    kv_cache_view(base)(torch.randint(65, (1, 3)), kv_cache=cache)
+    assert cache.max_seqlen == TINY["seqlen"] and len(cache) == 3
