@@ -102,8 +102,8 @@ class GPTlite_MLA(GPTlite_KVCache):
 
     def check_cache(self, kv_cache, batch_size, max_seqlen):
         if isinstance(kv_cache, KVCache):  # its layers store keys and values (or select by them)
-            raise ValueError("GPTlite_MLA caches latents, not keys and values: give kv_cache=None (a new "
-                             f"dynamic latent cache) or the cache a GPTlite_MLA returned, not a {type(kv_cache).__name__}")
+            raise ValueError("GPTlite_MLA caches latents, not keys and values: give kv_cache=None (a new dynamic "
+                             f"latent cache) or the cache a GPTlite_MLA returned, not a {type(kv_cache).__name__}")
         C = kv_cache[0][0]
         got = (len(kv_cache), len(kv_cache[0]), C.shape[0], C.shape[1], C.shape[3])
         expected = (len(self.blocks), 1, batch_size, 1, self.blocks[0].mha.d_latent)
