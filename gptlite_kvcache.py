@@ -11,6 +11,8 @@ new token takes position seqlen-1, as the post describes; this is an approximati
 sliding window (the cached keys keep the positions and context they were computed with), so tokens
 match generation without a cache only for the first `seqlen` positions.
 """
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,7 +40,99 @@ def scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=Non
     return weights @ V  # [B, H, Tq, D]
 
 
-class StaticKVCache:
+# ----------------------------------------------------------------------------------------------------
+# The cache interface: the one seam between a cache and the model's own attention (gpt-fast's
+# KVCache.update, nano-vllm's attention context). Every cached forward pass in this repository runs
+# through it (GPTlite_KVCache and its GQA/MLA/TP kin, GPTlite_RoPE); a cache is one KVCache object:
+#
+#   cache.check_new_tokens(T)        once, before any work: a cache that cannot take T more tokens raises
+#   cache.positions(T, device)       absolute positions of the new tokens (GPTlite's position table)
+#   in every layer's attention, with the new queries, keys and values [B, H, T, D]:
+#     K, V, mask = cache.update(layer, k, v)   store them; return the keys and values to attend to and
+#                                              the mask (None: the shifted causal mask, i.e. every key
+#                                              for one new token)
+#     (GPTlite_RoPE rotates the queries and keys here, by their slot in the cache)
+#     out = cache.attend(layer, attention, q, K, V, mask)
+#                                    by default the model's own kernel, attention(q, K, V[, mask]); a cache
+#                                    that selects by the query (Quest, MoBA), learns from the weights (H2O,
+#                                    SnapKV) or packs the queries of several sequences (paged) overrides it
+#   cache.advance(T)                 after the last layer
+#
+# The caches: DynamicKVCache (the post's list of (keys, values) per layer, wrapped for the layers),
+# StaticKVCache, kv_budget.BudgetCache (window, sinks, H2O, SnapKV, Quest), paged_engine.PagedStep
+# (block tables over the engine's pool), moba.MoBACache (MoBA's block selection). Statistics are
+# opt-in objects that a cache calls when given one (kv_budget.AttentionMass).
+
+class KVCache:
+    """The interface above, with the defaults: absolute positions from n_tokens, the model's kernel."""
+    max_seqlen = None  # the most entries kept (None: no window)
+    n_tokens = 0  # tokens fed so far
+
+    def __len__(self):  # entries held per layer
+        raise NotImplementedError
+
+    def check_new_tokens(self, T):
+        pass
+
+    def positions(self, T, device):
+        """Token t takes position t, and seqlen-1 past the window (the post's approximation)."""
+        positions = torch.arange(self.n_tokens, self.n_tokens + T, device=device)  # [T]
+        return positions if self.max_seqlen is None else positions.clamp(max=self.max_seqlen - 1)
+
+    def update(self, layer, k, v):
+        raise NotImplementedError
+
+    def attend(self, layer, attention, q, K, V, mask):
+        return attention(q, K, V) if mask is None else attention(q, K, V, mask)
+
+    def advance(self, T):
+        self.n_tokens += T
+
+
+class DynamicKVCache(KVCache):
+    """The post's dynamic cache seen through the interface: `layers` is its list of (keys, values) per
+    layer (None: empty), grown with torch.cat. The list given is never modified (a shared prefix cache
+    stays as it was); the new one is `layers`. max_seqlen: past it the oldest entry is dropped (None:
+    no window), or with evict=False more entries are an error (GPTlite_RoPE without a budget)."""
+
+    def __init__(self, layers=None, n_layers=None, max_seqlen=None, evict=True):
+        self.layers = list(layers) if layers is not None else [None] * n_layers
+        self.max_seqlen, self.evict = max_seqlen, evict
+        self.n_tokens = len(self)
+
+    def __len__(self):
+        first = self.layers[0]
+        return 0 if first is None else first[0].shape[2]
+
+    def check_new_tokens(self, T):
+        if not self.evict and len(self) + T > self.max_seqlen:
+            raise ValueError(f"{len(self)} cached + {T} new tokens exceed seqlen={self.max_seqlen}: crop the "
+                             "input, or evict cache entries first (kv_budget's window or sinks)")
+
+    def append(self, layer, *new):
+        """Append the new entries of `layer` (tensors [B, H, T, ...], e.g. keys and values, or MLA's
+        latents) and return them all; a full window drops its oldest."""
+        old = self.layers[layer]
+        entries = new if old is None else tuple(torch.cat([o, n], dim=2) for o, n in zip(old, new))  # [B, H, S+T, .]
+        if self.max_seqlen is not None and entries[0].shape[2] > self.max_seqlen:
+            entries = tuple(e[:, :, -self.max_seqlen:] for e in entries)
+        self.layers[layer] = entries
+        return entries
+
+    def update(self, layer, k, v):
+        K, V = self.append(layer, k, v)
+        return K, V, None
+
+
+def layer_cache(kv_cache, max_seqlen, layer):
+    """(cache, layer) for an attention module: a KVCache as given; one layer's own cache, (keys, values)
+    or None (a block used alone, e.g. in gptlite_linear's hybrid), as a one-layer DynamicKVCache."""
+    if isinstance(kv_cache, KVCache):
+        return kv_cache, layer
+    return DynamicKVCache([kv_cache], max_seqlen=max_seqlen), 0
+
+
+class StaticKVCache(KVCache):
     """Per-layer key and value buffers [B, H, max_seqlen, D], preallocated and written in place."""
 
     def __init__(self, n_layers, batch_size, n_heads, d_head, max_seqlen, device=None, dtype=torch.float32):
@@ -68,7 +162,7 @@ class StaticKVCache:
 
     def update(self, layer, k, v):
         """Write the new keys and values [B, H, T, D] of `layer` in place, at the slots of tokens
-        n_tokens .. n_tokens+T-1; return views of the slots written so far, [B, H, n, D].
+        n_tokens .. n_tokens+T-1; return views of the slots written so far, [B, H, n, D], and no mask.
 
         Before the buffer wraps, slot j holds token j, so the shifted causal mask applies as is; once
         it wraps, tokens come one at a time (see GPTlite_KVCache.forward) and see every slot."""
@@ -78,7 +172,7 @@ class StaticKVCache:
         keys.narrow(2, start, T).copy_(k)
         values.narrow(2, start, T).copy_(v)
         n = min(self.n_tokens + T, self.max_seqlen)
-        return keys.narrow(2, 0, n), values.narrow(2, 0, n)
+        return keys.narrow(2, 0, n), values.narrow(2, 0, n), None
 
 
 def cached_heads(mha):
@@ -93,37 +187,33 @@ def check_cache_shape(got, expected, got_dtype, dtype):
 
 
 def kv_cache_length(kv_cache):
-    """Entries held by a cache (None, a dynamic list of (keys, values), or a StaticKVCache)."""
+    """Entries held by a cache (None, a dynamic list of (keys, values), or a KVCache)."""
     if kv_cache is None:
         return 0
-    if isinstance(kv_cache, StaticKVCache):
+    if isinstance(kv_cache, KVCache):
         return len(kv_cache)
     return kv_cache[0][0].shape[2]
 
 
 class MultiHeadAttention_KVCache(MultiHeadAttention):
     def forward(self, x, kv_cache=None, max_seqlen=None, layer=0):
-        """x: [B, T, d_model] new tokens. kv_cache: this layer's (keys, values) [B, H, S, D], None, or
-        the StaticKVCache whose buffers of `layer` are written in place.
-        Returns the output [B, T, d_model] and this layer's keys and values after the update."""
+        """x: [B, T, d_model] new tokens. kv_cache: the KVCache whose `layer` this is (the model's
+        forward passes one), or this layer's own (keys, values) [B, H, S, D] or None, with `max_seqlen`
+        its window. Returns the output [B, T, d_model] and this layer's keys and values attended to."""
+        cache, layer = layer_cache(kv_cache, max_seqlen, layer)
         Q = self.split_heads(self.query_proj(x))  # [B, H, T, D]
         K = self.split_heads(self.key_proj(x))
         V = self.split_heads(self.value_proj(x))
-        if isinstance(kv_cache, StaticKVCache):
-            K, V = kv_cache.update(layer, K, V)  # [B, H, n, D], views of the preallocated buffers
-        else:
-            if kv_cache is not None:
-                K = torch.cat([kv_cache[0], K], dim=2)  # [B, H, S+T, D]
-                V = torch.cat([kv_cache[1], V], dim=2)
-            if max_seqlen is not None and K.shape[2] > max_seqlen:  # a full window drops its oldest entry
-                K, V = K[:, :, -max_seqlen:], V[:, :, -max_seqlen:]
-        out = self.attention(Q, K, V)  # [B, H, T, D]
+        K, V, mask = cache.update(layer, K, V)  # [B, H, n, D]: the cached entries and the new ones
+        out = cache.attend(layer, self.attention, Q, K, V, mask)  # [B, H, T, D]
         return self.dropout(self.out_proj(self.merge_heads(out))), (K, V)
 
-    def attention(self, Q, K, V):
-        """The T new queries over the n keys and values (cached and new), the shifted causal mask;
-        a subclass swaps the kernel here (main_flash_attention.py: SDPA)."""
-        return scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=self.dropout)
+    def attention(self, Q, K, V, mask=None):
+        """The T new queries over the n keys and values (cached and new), the shifted causal mask, or
+        `mask` (bool, True = attend) when the cache gives one; a subclass swaps the kernel here
+        (main_flash_attention.py: SDPA)."""
+        return scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True if mask is None else mask,
+                                                     dropout=self.dropout)
 
 
 def swap_attention(model, attention_class, **attrs):
@@ -168,53 +258,73 @@ class GPTlite_KVCache(GPTlite):
         if isinstance(kv_cache, StaticKVCache):
             expected = (L, batch_size, heads, max_seqlen, D)
             check_cache_shape(tuple(kv_cache.keys.shape), expected, kv_cache.keys.dtype, dtype)
-        else:
+        elif not isinstance(kv_cache, KVCache):
             keys = kv_cache[0][0]
             got = (len(kv_cache), keys.shape[0], keys.shape[1], keys.shape[3])
             check_cache_shape(got, (L, batch_size, heads, D), keys.dtype, dtype)
 
+    def open_cache(self, kv_cache, max_seqlen, batch_size):
+        """The KVCache the layers update: the post's list (or None) in a DynamicKVCache of `max_seqlen`
+        (default seqlen), any KVCache as given (with its own window: max_seqlen must be None or the same)."""
+        if isinstance(kv_cache, KVCache):
+            if kv_cache.max_seqlen is not None and max_seqlen not in (None, kv_cache.max_seqlen):
+                raise ValueError(f"max_seqlen={max_seqlen} differs from the {type(kv_cache).__name__}'s "
+                                 f"{kv_cache.max_seqlen}")
+            max_seqlen = kv_cache.max_seqlen
+        elif max_seqlen is None:
+            max_seqlen = self.seqlen
+        if max_seqlen is not None and not 1 <= max_seqlen <= self.seqlen:
+            raise ValueError(f"max_seqlen must be between 1 and seqlen={self.seqlen}, got {max_seqlen}")
+        if kv_cache is not None:
+            self.check_cache(kv_cache, batch_size, max_seqlen)
+        return kv_cache if isinstance(kv_cache, KVCache) else DynamicKVCache(kv_cache, len(self.blocks), max_seqlen)
+
     def forward(self, idx, kv_cache=None, max_seqlen=None):
         """idx: [B, T] new tokens after the `kv_cache` entries (None: an empty cache).
 
-        kv_cache: a list of (keys, values) per layer, or a StaticKVCache (updated in place).
-        max_seqlen: the most entries the cache keeps (default seqlen; a StaticKVCache's own size).
-        Returns logits [B, T, vocab] and the new cache (the same StaticKVCache object if given)."""
-        static = isinstance(kv_cache, StaticKVCache)
-        if static:
-            if max_seqlen not in (None, kv_cache.max_seqlen):
-                raise ValueError(f"max_seqlen={max_seqlen} differs from the StaticKVCache's {kv_cache.max_seqlen}")
-            max_seqlen = kv_cache.max_seqlen
-        if max_seqlen is None:
-            max_seqlen = self.seqlen
-        if not 1 <= max_seqlen <= self.seqlen:
-            raise ValueError(f"max_seqlen must be between 1 and seqlen={self.seqlen}, got {max_seqlen}")
-        B, T = idx.shape
-        if kv_cache is not None:
-            self.check_cache(kv_cache, B, max_seqlen)
-        n_cached = kv_cache_length(kv_cache)
-        if T > 1 and n_cached + T > max_seqlen:
+        kv_cache: a list of (keys, values) per layer, or a KVCache (a StaticKVCache, a budget, ...: updated
+        in place). max_seqlen: the most entries the cache keeps (default seqlen; a KVCache's own size).
+        Returns logits [B, T, vocab] and the new cache (the same KVCache object if given one)."""
+        cache = self.open_cache(kv_cache, max_seqlen, idx.shape[0])
+        logits = self.forward_cache(idx, cache)
+        return logits, cache if isinstance(kv_cache, KVCache) else cache.layers  # [B, T, vocab]
+
+    def forward_cache(self, idx, cache):
+        """The forward pass of idx [B, T] through the KVCache `cache` (updated in place): logits [B, T, vocab]."""
+        T = idx.shape[1]
+        cache.check_new_tokens(T)
+        if T > 1 and cache.max_seqlen is not None and len(cache) + T > cache.max_seqlen:
             # Past the window each token drops the oldest entry: fill the window, then go one at a time,
             # which is what decoding these tokens one by one would compute.
-            n_fit = max_seqlen - n_cached
+            n_fit = cache.max_seqlen - len(cache)
             chunks = ([idx[:, :n_fit]] if n_fit > 0 else []) + list(idx[:, max(n_fit, 0):].split(1, dim=1))
-            logits = []
-            for chunk in chunks:
-                out, kv_cache = self(chunk, kv_cache, max_seqlen)
-                logits.append(out)
-            return torch.cat(logits, dim=1), kv_cache
-
-        start = kv_cache.n_tokens if static else n_cached  # index of the first new token
-        positions = torch.arange(start, start + T, device=idx.device).clamp(max=max_seqlen - 1)  # [T]
-        x = self.token_embedding(idx) + self.position_embedding(positions)  # [B, T, d_model]
-        new_cache = []
+            return torch.cat([self.forward_cache(chunk, cache) for chunk in chunks], dim=1)
+        x = self.token_embedding(idx) + self.position_embedding(cache.positions(T, idx.device))  # [B, T, d_model]
         for layer, block in enumerate(self.blocks):
-            layer_cache = kv_cache if static or kv_cache is None else kv_cache[layer]
-            x, layer_cache = block(x, layer_cache, max_seqlen, layer)
-            new_cache.append(layer_cache)
-        if static:
-            kv_cache.n_tokens += T
-            new_cache = kv_cache
-        return self.fc_out(self.ln(x)), new_cache  # [B, T, vocab]
+            x, _ = block(x, cache, None, layer)
+        cache.advance(T)
+        return self.fc_out(self.ln(x))  # [B, T, vocab]
+
+
+def kv_cache_view(model):
+    """`model` with a cached forward pass: itself when its blocks take a cache (GPTlite_KVCache and its
+    kin, GPTlite_RoPE); a GPTlite as a GPTlite_KVCache that shares its modules and weights, nothing copied
+    (shallow copies of the model, its blocks and their attention modules, with the cached classes: these
+    add no parameter). Callers that take any GPTlite (kv_budget, paged_engine) run through it."""
+    if isinstance(model, GPTlite_KVCache) or (isinstance(model, GPTlite)
+                                              and all(isinstance(block, Block_KVCache) for block in model.blocks)):
+        return model
+    if type(model) is not GPTlite or any(type(b) is not Block or type(b.mha) is not MultiHeadAttention
+                                         for b in model.blocks):
+        raise ValueError(f"a cached forward pass needs a GPTlite or a GPTlite_KVCache, got a {type(model).__name__}")
+
+    def view(module, cls, **children):
+        new = copy.copy(module)  # the same parameters, buffers and submodules ...
+        new.__dict__["_modules"] = dict(module._modules, **children)  # ... in a module list of its own
+        new.__class__ = cls
+        return new
+    blocks = [view(b, Block_KVCache, mha=view(b.mha, MultiHeadAttention_KVCache)) for b in model.blocks]
+    return view(model, GPTlite_KVCache, blocks=nn.Sequential(*blocks))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import torch.nn as nn
 
 from gptlite import GPTliteConfig, MultiHeadAttention
 from gptlite_gqa import grouped_query_attention
-from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, check_cache_shape, scaled_dot_product_attention_kv_cache
+from gptlite_kvcache import GPTlite_KVCache, KVCache, check_cache_shape, layer_cache, \
+    scaled_dot_product_attention_kv_cache
 
 
 def max_latent(n_heads, d_head, d_model):
@@ -51,14 +52,14 @@ class MultiHeadAttention_MLA(MultiHeadAttention):
         self.value_up = nn.Linear(d_latent, n_heads * d_head)  # c -> values; its bias is the MHA value bias
 
     def forward(self, x, kv_cache=None, max_seqlen=None, layer=0):
-        """x: [B, T, d_model] new tokens; kv_cache: None or this layer's (latents,) [B, 1, S, d_latent].
+        """x: [B, T, d_model] new tokens; kv_cache: the model's DynamicKVCache of latents, or None or this
+        layer's (latents,) [B, 1, S, d_latent] (with `max_seqlen` its window).
         Returns the output [B, T, d_model] and this layer's (latents,) after the update."""
+        cache, layer = layer_cache(kv_cache, max_seqlen, layer)
         Q = self.split_heads(self.query_proj(x))  # [B, H, T, D]
         C = self.kv_down(x).unsqueeze(1)  # [B, 1, T, d_latent]: one latent per token, shared by every head
-        if kv_cache is not None:
-            C = torch.cat([kv_cache[0], C], dim=2)  # [B, 1, S+T, d_latent]
-        if max_seqlen is not None and C.shape[2] > max_seqlen:  # a full window drops its oldest entry
-            C = C[:, :, -max_seqlen:]
+        C, = cache.append(layer, C)  # [B, 1, n, d_latent]: the cached latents and the new ones (a full window
+        # drops its oldest)
         out = self.absorbed_attention(Q, C) if self.absorb else self.recomputed_attention(Q, C)  # [B, H, T, D]
         return self.dropout(self.out_proj(self.merge_heads(out))), (C,)
 
@@ -112,9 +113,9 @@ class GPTlite_MLA(GPTlite_KVCache):
         return self
 
     def check_cache(self, kv_cache, batch_size, max_seqlen):
-        if isinstance(kv_cache, StaticKVCache):
-            raise ValueError("GPTlite_MLA caches latents, not keys and values: give kv_cache=None (a new "
-                             "dynamic latent cache) or the cache a GPTlite_MLA returned, not a StaticKVCache")
+        if isinstance(kv_cache, KVCache):  # its layers store keys and values (or select by them)
+            raise ValueError("GPTlite_MLA caches latents, not keys and values: give kv_cache=None (a new dynamic "
+                             f"latent cache) or the cache a GPTlite_MLA returned, not a {type(kv_cache).__name__}")
         C = kv_cache[0][0]
         got = (len(kv_cache), len(kv_cache[0]), C.shape[0], C.shape[1], C.shape[3])
         expected = (self.config.n_layers, 1, batch_size, 1, self.config.d_latent)

@@ -7,12 +7,14 @@ Blog section: "Attention sinks and streaming" (main_sparse_attention.py). GPTlit
 absolute: a cached key carries the position it was computed at, so it cannot be moved. Here the cache
 holds the keys *before* rotation and rotates them at attention time by their slot in the cache, so an
 evicted entry lets the later ones move up a position: StreamingLLM's "positions within the cache".
+The cache plugs in through gptlite_kvcache's interface: the post's list of (keys, values), or any
+KVCache (kv_budget's budgets evict and select through it).
 """
 import torch
 import torch.nn as nn
 
 from gptlite import GPTlite
-from gptlite_kvcache import Block_KVCache, MultiHeadAttention_KVCache, scaled_dot_product_attention_kv_cache
+from gptlite_kvcache import Block_KVCache, DynamicKVCache, KVCache, MultiHeadAttention_KVCache, layer_cache
 import inference_utils as iu
 from lib import files, harness, presets
 
@@ -31,20 +33,20 @@ def apply_rope(x, cos, sin):
 
 
 class MultiHeadAttention_RoPE(MultiHeadAttention_KVCache):
-    def forward(self, x, kv_cache=None, rope=None):
-        """x: [B, T, d_model] new tokens after the n - T cached ones; kv_cache: (keys, values) [B, H, S, D],
-        keys unrotated. Entry j of the cache takes position j. Returns the output and the new cache."""
+    def forward(self, x, kv_cache=None, rope=None, layer=0):
+        """x: [B, T, d_model] new tokens after the n - T cached ones; kv_cache: the KVCache whose `layer` this
+        is, or this layer's (keys, values) [B, H, S, D] or None; keys unrotated. Entry j of the cache
+        takes position j. Returns the output and this layer's keys (unrotated) and values."""
+        cache, layer = layer_cache(kv_cache, None, layer)
         Q = self.split_heads(self.query_proj(x))  # [B, H, T, D]
         K = self.split_heads(self.key_proj(x))
         V = self.split_heads(self.value_proj(x))
-        if kv_cache is not None:
-            K = torch.cat([kv_cache[0], K], dim=2)  # [B, H, n, D], unrotated
-            V = torch.cat([kv_cache[1], V], dim=2)
+        K, V, mask = cache.update(layer, K, V)  # [B, H, n, D], unrotated
         cos, sin = rope
         T, n = Q.shape[2], K.shape[2]
         Qr = apply_rope(Q, cos[n - T:n], sin[n - T:n])  # the new tokens are the last T positions
         Kr = apply_rope(K, cos[:n], sin[:n])  # every key at its slot in the cache
-        out = scaled_dot_product_attention_kv_cache(Qr, Kr, V, causal_mask=True, dropout=self.dropout)
+        out = cache.attend(layer, self.attention, Qr, Kr, V, mask)
         return self.dropout(self.out_proj(self.merge_heads(out))), (K, V)
 
 
@@ -53,8 +55,8 @@ class Block_RoPE(Block_KVCache):
         super().__init__(d_model, n_heads, d_head, dropout_p, d_ff)
         self.mha = MultiHeadAttention_RoPE(d_model, n_heads, d_head, dropout_p)
 
-    def forward(self, x, kv_cache=None, rope=None):
-        out, kv_cache = self.mha(self.ln1(x), kv_cache, rope)
+    def forward(self, x, kv_cache=None, rope=None, layer=0):
+        out, kv_cache = self.mha(self.ln1(x), kv_cache, rope, layer)
         x = x + out
         x = x + self.ffwd(self.ln2(x))
         return x, kv_cache
@@ -72,20 +74,25 @@ class GPTlite_RoPE(GPTlite):
         self.register_buffer("rope_cos", cos, persistent=False)  # [seqlen, D/2], not in the state dict
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, idx, kv_cache=None):
-        """idx: [B, T] new tokens after the `kv_cache` entries (a list of (keys, values) per layer, keys
-        unrotated; None: empty). Returns logits [B, T, vocab] and the new cache."""
-        n_cached = 0 if kv_cache is None else kv_cache[0][0].shape[2]
-        if n_cached + idx.shape[1] > self.seqlen:
-            raise ValueError(f"{n_cached} cached + {idx.shape[1]} new tokens exceed seqlen={self.seqlen}: crop the "
-                             "input, or evict cache entries first (kv_budget's window or sinks)")
+    def forward(self, idx, kv_cache=None, max_seqlen=None):
+        """idx: [B, T] new tokens after the `kv_cache` entries: a list of (keys, values) per layer, keys
+        unrotated (None: empty), which holds at most max_seqlen (default seqlen) entries; or a KVCache
+        with its own rule (kv_budget's budgets evict). Returns logits [B, T, vocab] and the new cache
+        (the same KVCache object if given one)."""
+        if isinstance(kv_cache, KVCache):
+            cache = kv_cache
+        else:
+            max_seqlen = self.seqlen if max_seqlen is None else max_seqlen
+            if not 1 <= max_seqlen <= self.seqlen:
+                raise ValueError(f"max_seqlen must be between 1 and seqlen={self.seqlen}, got {max_seqlen}")
+            cache = DynamicKVCache(kv_cache, len(self.blocks), max_seqlen, evict=False)
+        cache.check_new_tokens(idx.shape[1])
         x = self.token_embedding(idx)  # [B, T, d_model]
         rope = (self.rope_cos, self.rope_sin)
-        new_cache = []
         for layer, block in enumerate(self.blocks):
-            x, layer_cache = block(x, None if kv_cache is None else kv_cache[layer], rope)
-            new_cache.append(layer_cache)
-        return self.fc_out(self.ln(x)), new_cache  # [B, T, vocab]
+            x, _ = block(x, cache, rope, layer)
+        cache.advance(idx.shape[1])
+        return self.fc_out(self.ln(x)), cache if isinstance(kv_cache, KVCache) else cache.layers  # [B, T, vocab]
 
 
 def rope_checkpoint(preset):

@@ -24,8 +24,9 @@ import torch
 
 import inference_utils as iu
 from gptlite import GPTlite
+from gptlite_kvcache import kv_cache_view
 from lib.moba import moba_attention, select_blocks  # noqa: F401 (the post's listing: the selection and the mask)
-from lib.moba import GPTlite_MoBA, attention_cost, keys_read, make_flex_check, moba_mask, n_blocks
+from lib.moba import GPTlite_MoBA, MoBACache, attention_cost, keys_read, make_flex_check, n_blocks
 from lib.errors import GPTliteError
 from lib import corpus, files, harness, training
 
@@ -44,7 +45,8 @@ def moba_from(base, config, block_size, top_k):
 @torch.no_grad()
 def run_checks(base, config, window, block_size, top_ks, flex):
     """{name: ok}: dense MoBA is GPTlite bit for bit; flex (if any) agrees with the mask; the mask
-    reads keys_read(position) keys at every position."""
+    reads keys_read(position) keys at every position, in every layer (GPTlite's own cached forward pass
+    with MoBA's selection as its cache, which records the keys each query read)."""
     nb = n_blocks(window.shape[1], block_size)
     checks = {"top-k = all blocks: GPTlite's logits": torch.equal(moba_from(base, config, block_size, nb)(window),
                                                                   base(window))}
@@ -53,13 +55,10 @@ def run_checks(base, config, window, block_size, top_ks, flex):
         if flex is not None:
             diff = (model(window) - model.use_flex(flex)(window)).abs().max().item()
             checks[f"top-{k}: flex = mask (max |diff| {diff:.1e})"] = diff <= ATOL
-        mha = model.blocks[0].mha
-        positions = torch.arange(window.shape[1], device=window.device)
-        x = model.blocks[0].ln1(model.token_embedding(window) + model.position_embedding(positions))  # layer 0's input
-        Q, K = mha.split_heads(mha.query_proj(x)), mha.split_heads(mha.key_proj(x))  # [B, H, S, D]
-        counted = moba_mask(select_blocks(Q, K, block_size, k), block_size, K.shape[-2]).sum(-1)  # [B, H, S]
+        cache = MoBACache(len(base.blocks), block_size, k, base.seqlen, record=True)
+        kv_cache_view(base)(window, kv_cache=cache)
         expected = torch.tensor([keys_read(p, block_size, k) for p in range(window.shape[1])], device=window.device)
-        checks[f"top-{k}: keys read = formula"] = bool((counted == expected).all())
+        checks[f"top-{k}: keys read = formula"] = all(bool((counted == expected).all()) for counted in cache.keys_read)
     return checks
 
 

@@ -1,7 +1,8 @@
 """KV budgets: which cached tokens a decode step attends to, without retraining.
 
 Blog section: "Sparse attention and KV-cache budgets" (main_sparse_attention.py). One interface, three
-hooks that a method overrides; the cached forward pass below calls them in every layer:
+hooks that a method overrides; `BudgetCache`, a cache of gptlite_kvcache's interface, calls them in
+every layer of the model's own cached forward pass (GPTlite's, or GPTlite_RoPE's):
 - `select(q, k)`: the entries this decode step reads (a mask; Quest), None: all of them;
 - `observe(kv, q, weights)`: bookkeeping after the step (H2O's accumulated attention, SnapKV's queries);
 - `keep(kv)`: the entries kept for the next step (eviction), None: all of them.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gptlite import check_generation_args
+from gptlite_kvcache import KVCache, generate_kvcache, kv_cache_view
 
 
 @dataclass
@@ -36,19 +37,114 @@ class LayerKV:
     queries: torch.Tensor = None  # SnapKV: the last `window` queries, [B, H, w, D]
 
 
-class BudgetCache:
-    """Per-layer LayerKV (entries differ per head after eviction), and the tokens seen so far."""
+class AttentionMass:
+    """Opt-in statistic of a BudgetCache (attention sinks): the attention weight of a decode step's
+    query on the first `n_first` entries, summed over decode steps per layer (mean over batch and heads),
+    beside what equal weights over the entries read would give. Kept as tensors on the model's device:
+    no synchronization in the decode loop; read `first_mass` when done."""
 
     def __init__(self, n_layers, n_first=4):
+        self.n_first = n_first
+        self.mass = [0.0] * n_layers  # float64 tensors once a step is seen (sums as Python floats would)
+        self.first_uniform = 0.0
+        self.n_steps = 0
+
+    def observe(self, layer, weights):  # weights [B, H, 1, n] of a decode step
+        self.mass[layer] = self.mass[layer] + weights[:, :, -1, :self.n_first].sum(dim=-1).mean().double()
+
+    def step(self, n):  # a decode step over n entries
+        self.n_steps += 1
+        self.first_uniform += min(self.n_first, n) / n  # equal weights over the n entries held
+
+    @property
+    def first_mass(self):  # per layer, summed over decode steps
+        return [float(m) for m in self.mass]
+
+
+class BudgetCache(KVCache):
+    """A KV cache under a budget: per-layer LayerKV (entries differ per head after eviction), and the
+    tokens seen so far. `method` decides what is read and kept (default Dense); max_seqlen: the model's
+    window, past which the oldest entry is dropped (set by the functions below from the model).
+    n_first: collect AttentionMass over the first n_first entries in `stats` (None: no statistics)."""
+
+    def __init__(self, n_layers, n_first=None, method=None, max_seqlen=None):
         self.layers = [None] * n_layers
         self.n_tokens = 0
-        self.n_first = n_first  # attention sinks' statistic: the weight of the first n_first entries
-        self.first_mass = [0.0] * n_layers  # summed over heads' mean and decode steps, per layer
-        self.first_uniform = 0.0  # the same sum had every entry read got equal weight
-        self.n_steps = 0
+        self.method = method or Dense()
+        self.max_seqlen = max_seqlen
+        self.stats = None if n_first is None else AttentionMass(n_layers, n_first)
+        self.n_read = 0  # entries the last step attended to
 
     def __len__(self):
         return 0 if self.layers[0] is None else self.layers[0].keys.shape[2]
+
+    def use(self, method, model):
+        """Run `method` on this cache with the window of `model`; returns the cache."""
+        self.method, self.max_seqlen = method, self.max_seqlen or model.seqlen
+        return self
+
+    def check_new_tokens(self, T):
+        if self.max_seqlen is None:
+            raise ValueError("this BudgetCache has no window yet: run it with kv_budget's functions, or call "
+                             "cache.use(method, model) first")
+        if T > 1 and len(self) + T > self.max_seqlen:
+            raise ValueError(f"{len(self)} cached + {T} new tokens exceed seqlen={self.max_seqlen}: feed them one "
+                             "at a time")
+
+    def update(self, layer, k, v):
+        """Append the new entries (a new entry has received no attention yet); a full window drops its
+        oldest (dense, Quest). The mask is the method's, chosen in attend from the query."""
+        kv, T = self.layers[layer], k.shape[2]
+        if kv is None:
+            kv = LayerKV(k, v)
+        else:
+            score = None if kv.score is None else F.pad(kv.score, (0, T))
+            kv = LayerKV(torch.cat([kv.keys, k], dim=2), torch.cat([kv.values, v], dim=2), score, kv.queries)
+        if kv.keys.shape[2] > self.max_seqlen:
+            kv = gather(kv, last_entries(kv, self.max_seqlen))
+        self.layers[layer] = kv
+        return kv.keys, kv.values, None
+
+    def attend(self, layer, attention, q, K, V, mask):
+        """Prefill (T > 1) is dense, with the shifted causal mask; a decode step reads the method's
+        selection. Methods read the attention weights, so the attention is the explicit one (`attend`)
+        whatever the model's kernel; then the method observes and evicts."""
+        T, n = q.shape[2], K.shape[2]
+        if T > 1:
+            mask = torch.ones(T, n, dtype=torch.bool, device=q.device).tril(diagonal=n - T)
+        else:
+            mask = self.method.select(q, K)
+        out, weights = attend(q, K, V, mask)  # [B, H, T, D], [B, H, T, n]
+        if self.stats is not None and T == 1:
+            self.stats.observe(layer, weights)
+        kv = self.layers[layer]
+        self.method.observe(kv, q, weights)
+        idx_keep = self.method.keep(kv)
+        self.layers[layer] = kv if idx_keep is None else gather(kv, idx_keep)
+        self.n_read = n
+        return out
+
+    def advance(self, T):
+        self.n_tokens += T
+        if self.stats is not None and T == 1:
+            self.stats.step(self.n_read)
+
+    # the statistics as main_sparse_attention reads them (BudgetCache(n_layers, n_first=...))
+    @property
+    def first_mass(self):
+        return self.stats.first_mass
+
+    @property
+    def first_uniform(self):
+        return self.stats.first_uniform
+
+    @property
+    def n_steps(self):
+        return self.stats.n_steps
+
+    @property
+    def n_first(self):
+        return self.stats.n_first
 
 
 def gather(kv, idx):
@@ -209,8 +305,8 @@ def make_method(name, budget, n_sink=4, page_size=8):
 
 
 # ----------------------------------------------------------------------------------------------------
-# GPTlite's cached forward pass with a method: GPTlite (absolute positions, clamped at seqlen-1 past
-# the window as in gptlite_kvcache) or GPTlite_RoPE (a key rotated by its slot in the cache).
+# The model's own cached forward pass with a BudgetCache: GPTlite (absolute positions, clamped at
+# seqlen-1 past the window as in gptlite_kvcache) or GPTlite_RoPE (a key rotated by its slot in the cache).
 
 def attend(Q, K, V, mask):
     """The explicit attention of gptlite_kvcache, returning its weights. mask: bool, True = attend."""
@@ -223,69 +319,24 @@ def attend(Q, K, V, mask):
 
 def forward_budget(model, idx, cache, method):
     """idx [B, T] new tokens after the cache's; returns logits [B, T, vocab]; `cache` is updated in place."""
-    from gptlite_rope import apply_rope
-    T, seqlen = idx.shape[1], model.seqlen
-    rotary = hasattr(model, "rope_cos")
-    if T > 1 and len(cache) + T > seqlen:
-        raise ValueError(f"{len(cache)} cached + {T} new tokens exceed seqlen={seqlen}: feed them one at a time")
-    x = model.token_embedding(idx)  # [B, T, d_model]
-    if not rotary:  # absolute positions, clamped at seqlen-1 (the post's cache)
-        x = x + model.position_embedding(torch.arange(cache.n_tokens, cache.n_tokens + T, device=idx.device)
-                                         .clamp(max=seqlen - 1))
-    for layer, block in enumerate(model.blocks):
-        mha = block.mha
-        h = block.ln1(x)
-        Q, K, V = (mha.split_heads(proj(h)) for proj in (mha.query_proj, mha.key_proj, mha.value_proj))
-        kv = cache.layers[layer]
-        if kv is None:
-            kv = LayerKV(K, V)
-        else:  # append; a new entry has received no attention yet
-            score = None if kv.score is None else F.pad(kv.score, (0, T))
-            kv = LayerKV(torch.cat([kv.keys, K], dim=2), torch.cat([kv.values, V], dim=2), score, kv.queries)
-        if kv.keys.shape[2] > seqlen:  # a full window drops its oldest entry (dense, Quest)
-            kv = gather(kv, last_entries(kv, seqlen))
-        n = kv.keys.shape[2]
-        Kn = kv.keys
-        if rotary:  # positions are the slots of the cache
-            Q = apply_rope(Q, model.rope_cos[n - T:n], model.rope_sin[n - T:n])
-            Kn = apply_rope(Kn, model.rope_cos[:n], model.rope_sin[:n])
-        if T > 1:  # prefill: dense, the shifted causal mask
-            mask = torch.ones(T, n, dtype=torch.bool, device=idx.device).tril(diagonal=n - T)
-        else:
-            mask = method.select(Q, Kn)
-        out, weights = attend(Q, Kn, kv.values, mask)  # [B, H, T, D], [B, H, T, n]
-        cache.first_mass[layer] += weights[:, :, -1, :cache.n_first].sum(dim=-1).mean().item() if T == 1 else 0.0
-        x = x + mha.out_proj(mha.merge_heads(out))
-        x = x + block.ffwd(block.ln2(x))
-        method.observe(kv, Q, weights)
-        idx_keep = method.keep(kv)
-        cache.layers[layer] = kv if idx_keep is None else gather(kv, idx_keep)
-    cache.n_tokens += T
-    cache.n_steps += T == 1
-    if T == 1:
-        cache.first_uniform += min(cache.n_first, n) / n  # equal weights over the n entries held
-    return model.fc_out(model.ln(x))  # [B, T, vocab]
+    logits, _ = kv_cache_view(model)(idx, kv_cache=cache.use(method, model))
+    return logits
 
 
 @torch.inference_mode()
 def generate_budget(model, prompt, n_tokens, method):
     """Greedy decoding as generate_kvcache, attending within `method`'s budget. Returns [B, S + n_tokens]."""
-    check_generation_args(model, prompt, n_tokens, model.seqlen)
-    cache = BudgetCache(model.config.n_layers)
-    token = forward_budget(model, prompt, cache, method)[:, -1:].argmax(dim=-1)  # [B, 1]
-    tokens = [token]
-    for _ in range(n_tokens - 1):
-        token = forward_budget(model, token, cache, method)[:, -1:].argmax(dim=-1)
-        tokens.append(token)
-    return torch.cat([prompt] + tokens, dim=1)
+    cache = BudgetCache(model.config.n_layers).use(method, model)
+    return generate_kvcache(kv_cache_view(model), prompt, n_tokens, model.seqlen, kv_cache=cache)
 
 
 @torch.inference_mode()
 def teacher_forced_logits(model, tokens, method, cache=None, progress=None):
     """Feed tokens [B, S] one at a time through the budgeted cache: logits [B, S, vocab] at every position."""
-    cache = BudgetCache(model.config.n_layers) if cache is None else cache
+    cache = (BudgetCache(model.config.n_layers) if cache is None else cache).use(method, model)
+    cached = kv_cache_view(model)
     steps = range(tokens.shape[1]) if progress is None else progress(range(tokens.shape[1]))
-    return torch.cat([forward_budget(model, tokens[:, t:t + 1], cache, method) for t in steps], dim=1)
+    return torch.cat([cached(tokens[:, t:t + 1], kv_cache=cache)[0] for t in steps], dim=1)
 
 
 def kv_bytes(method, n_ctx, n_layers, n_heads, d_head, element_size=4):

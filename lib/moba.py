@@ -12,7 +12,9 @@ gradient; training adapts the keys and queries to it through the attention of th
 
 Two ways to compute it with the same selection: an explicit boolean mask over the [S, S] scores (any
 device, and the training path on CPU), and FlexAttention with a block mask built from a `mask_mod` that
-reads the selection (compiled where the device runs it; see make_flex_check).
+reads the selection (compiled where the device runs it; see make_flex_check). With a KV cache, the
+selection is a cache of gptlite_kvcache's interface (`MoBACache`): the model's own cached forward pass
+then computes MoBA for a prompt and for each decoded token alike.
 """
 import dataclasses
 import math
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
+from gptlite_kvcache import DynamicKVCache
 
 
 def check_moba_args(block_size, top_k, seqlen=None):
@@ -124,6 +127,26 @@ def make_flex_check(block_size, top_k, device, compiled=True, n=None, d_head=16)
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return None, None, f"flex attention does not run on {device} here: {reason}"
     return flex, diff, None
+
+
+class MoBACache(DynamicKVCache):
+    """MoBA's block selection as a KV cache (gptlite_kvcache's interface): the keys and values of up to
+    max_seqlen tokens (more is an error: the blocks are the cache's slots), and each query reads the
+    top_k blocks select_blocks chooses, through the model's own attention kernel. With a GPTlite's
+    weights (gptlite_kvcache.kv_cache_view) it computes GPTlite_MoBA. record=True keeps, per layer, the
+    keys each query of the last forward pass read, [B, H, T] (`keys_read`)."""
+
+    def __init__(self, n_layers, block_size, top_k, max_seqlen, record=False):
+        check_moba_args(block_size, top_k, max_seqlen)
+        super().__init__(None, n_layers, max_seqlen, evict=False)
+        self.block_size, self.top_k = block_size, top_k
+        self.keys_read = [None] * n_layers if record else None
+
+    def attend(self, layer, attention, q, K, V, mask):
+        mask = moba_mask(select_blocks(q, K, self.block_size, self.top_k), self.block_size, K.shape[-2])  # [B, H, T, n]
+        if self.keys_read is not None:
+            self.keys_read[layer] = mask.sum(dim=-1)
+        return attention(q, K, V, mask)
 
 
 class MultiHeadAttention_MoBA(MultiHeadAttention):

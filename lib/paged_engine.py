@@ -18,10 +18,13 @@ Blog section: "Batching / beyond the post: what serving engines do". Four small 
   pool is empty, the most recently admitted sequence is preempted: its blocks are freed and it goes
   back to the front of the queue, to be recomputed (prompt + tokens so far) when it is readmitted;
   with prefix sharing, its full blocks still cached are shared again instead.
-- `ModelRunner`: runs GPTlite's own modules and weights over the packed tokens of a step; attention
-  writes the new keys and values into the pool, gathers each sequence's keys and values through its
-  block table, then attends (PagedAttention's idea, written as a gather in PyTorch).
+- `ModelRunner`: runs the model's own cached forward pass over the packed tokens of a step, with the
+  step as its cache (`PagedStep`, gptlite_kvcache's interface): each layer writes the new keys and
+  values into the pool, gathers each sequence's keys and values through its block table, then attends
+  (PagedAttention's idea, written as a gather in PyTorch).
 - `PagedEngine`: the loop: arrivals in, schedule, run, append the new tokens, free finished sequences.
+  Its statistics (`EngineStats`) and the tests' invariant checks are observers of the steps, not code
+  in the loop.
 
 Greedy decoding is deterministic, so every request gets exactly the tokens of generating it alone,
 however its prompt was chunked, however often it was preempted, and whichever blocks it shared.
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lib import serving
-from gptlite_kvcache import scaled_dot_product_attention_kv_cache
+from gptlite_kvcache import KVCache, kv_cache_view
 from lib.prefix_cache import block_key, chain_keys
 
 
@@ -322,11 +325,45 @@ class StepInput:
     last_rows: torch.Tensor  # [N] the packed row of each sequence's last new token
 
 
+class PagedStep(KVCache):
+    """One step as a cache of gptlite_kvcache's interface: the model's forward pass runs over the step's
+    packed new tokens [1, T_new]; each layer writes their keys and values into the runner's pool and
+    reads each sequence's keys and values through its block table. No window: the engine checks that
+    every request fits seqlen before it starts."""
+
+    def __init__(self, runner, step):
+        self.runner, self.step = runner, step
+
+    def __len__(self):  # the packed tokens are not one sequence: nothing for the model to split
+        return 0
+
+    def positions(self, T, device):
+        return self.step.positions  # [T_new], each token's position in its own sequence
+
+    def update(self, layer, k, v):
+        """k, v [1, H, T_new, D] -> the sequences' keys and values [N, H, Tk, D] and the mask [N, 1, Tq, Tk]."""
+        step, k_pool, v_pool = self.step, self.runner.k_pool[layer], self.runner.v_pool[layer]  # [slots, H, D]
+        k_pool[step.write_slots] = k[0].transpose(0, 1)  # store the new keys and values in their blocks
+        v_pool[step.write_slots] = v[0].transpose(0, 1)
+        K = k_pool[step.read_slots].transpose(1, 2)  # gather through the block tables: [N, H, Tk, D]
+        V = v_pool[step.read_slots].transpose(1, 2)
+        return K, V, step.mask
+
+    def attend(self, layer, attention, q, K, V, mask):
+        """Unpack the queries [1, H, T_new, D] per sequence, [N, H, Tq, D], attend, pack the outputs back."""
+        step, q = self.step, q[0].transpose(0, 1)  # [T_new, H, D]
+        N, Tq = mask.shape[0], mask.shape[2]
+        Q = q.new_zeros(N, Tq, *q.shape[1:])
+        Q[step.query_rows, step.query_cols] = q  # unpack: [N, Tq, H, D]
+        out = attention(Q.transpose(1, 2), K, V, mask)  # [N, H, Tq, D]
+        return out.transpose(1, 2)[step.query_rows, step.query_cols].transpose(0, 1)[None]  # [1, H, T_new, D]
+
+
 class ModelRunner:
-    """GPTlite's modules and weights over a paged KV pool [L, n_blocks * block_size, H, D]."""
+    """The model's own cached forward pass over a paged KV pool [L, n_blocks * block_size, H, D]."""
 
     def __init__(self, model, n_blocks, block_size):
-        self.model = model  # a GPTlite or GPTlite_KVCache: only its modules are used
+        self.model = kv_cache_view(model)  # a GPTlite (its modules and weights, shared) or a GPTlite_KVCache
         config, weight = model.config, model.fc_out.weight
         shape = (config.n_layers, n_blocks * block_size, config.n_heads, config.d_head)
         self.k_pool = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
@@ -359,20 +396,6 @@ class ModelRunner:
         return StepInput(as_tensor(tokens), as_tensor(positions), as_tensor(write_slots), as_tensor(read_slots),
                          as_tensor(rows), as_tensor(cols), mask[:, None], last_rows)
 
-    def attention(self, layer, mha, x, step):
-        H, D = self.model.config.n_heads, self.model.config.d_head
-        q, k, v = (proj(x).view(-1, H, D) for proj in (mha.query_proj, mha.key_proj, mha.value_proj))  # [T_new, H, D]
-        self.k_pool[layer, step.write_slots] = k  # store the new keys and values in their blocks
-        self.v_pool[layer, step.write_slots] = v
-        K = self.k_pool[layer, step.read_slots].transpose(1, 2)  # gather through the block tables: [N, H, Tk, D]
-        V = self.v_pool[layer, step.read_slots].transpose(1, 2)
-        N, Tq = step.mask.shape[0], step.mask.shape[2]
-        Q = q.new_zeros(N, Tq, H, D)
-        Q[step.query_rows, step.query_cols] = q  # unpack: [N, Tq, H, D]
-        out = scaled_dot_product_attention_kv_cache(Q.transpose(1, 2), K, V, causal_mask=step.mask)  # [N, H, Tq, D]
-        out = out.transpose(1, 2)[step.query_rows, step.query_cols]  # pack: [T_new, H, D]
-        return mha.out_proj(out.reshape(-1, H * D))  # [T_new, d_model]
-
     def copy_blocks(self, block_manager):
         """Copy-on-write: the blocks the scheduler copied since the last step, copied before anything writes."""
         if block_manager.copies:
@@ -388,23 +411,77 @@ class ModelRunner:
     def run(self, batch, block_manager):
         """Compute the batch's new tokens; returns the greedy next token after each sequence's chunk, [N]."""
         self.copy_blocks(block_manager)
-        step, model = self.prepare(batch, block_manager), self.model
-        x = model.token_embedding(step.tokens) + model.position_embedding(step.positions)  # [T_new, d_model]
-        for layer, block in enumerate(model.blocks):
-            x = x + self.attention(layer, block.mha, block.ln1(x), step)
-            x = x + block.ffwd(block.ln2(x))
-        logits = model.fc_out(model.ln(x[step.last_rows]))  # [N, vocab]
-        return logits.argmax(dim=-1)
+        step = self.prepare(batch, block_manager)
+        logits, _ = self.model(step.tokens[None], kv_cache=PagedStep(self, step))  # [1, T_new, vocab]
+        return logits[0, step.last_rows].argmax(dim=-1)
+
+
+class EngineStats:
+    """An observer of PagedEngine's steps that collects its statistics over one generate call: KV memory
+    held against the slots of allocated blocks and against a contiguous cache that reserves seqlen slots
+    per running sequence, tokens computed, blocks used, and the scheduler's and block manager's counters."""
+
+    def __init__(self, engine, seqlen):
+        self.scheduler, self.block_manager, self.seqlen = engine.scheduler, engine.block_manager, seqlen
+        self.before = self.counters()
+        self.held = self.reserved_paged = self.reserved_contiguous = self.computed = 0
+        self.blocks_used = self.blocks_peak = self.n_steps = 0
+
+    def counters(self):
+        sched, bm = self.scheduler, self.block_manager
+        return sched.n_preemptions, sched.n_admitted_tokens, sched.n_cached_tokens, bm.n_evictions, bm.n_copies
+
+    def scheduled(self, batch):
+        """The step's work is chosen, not run: the KV memory after this step."""
+        bm, running = self.block_manager, self.scheduler.running
+        scheduled = {seq.seq_id: n for seq, n in batch}
+        self.held += sum(s.n_computed + scheduled.get(s.seq_id, 0) for s in running)
+        self.reserved_paged += bm.n_used * bm.block_size
+        self.reserved_contiguous += len(running) * self.seqlen
+        self.computed += sum(scheduled.values())
+        self.blocks_used, self.blocks_peak = self.blocks_used + bm.n_used, max(self.blocks_peak, bm.n_used)
+        self.n_steps += 1
+
+    def stepped(self):
+        pass
+
+    def summary(self):
+        preemptions, admitted, cached, evictions, copies = (now - then for now, then in zip(self.counters(),
+                                                                                            self.before))
+        # kv_util counts a shared block's tokens once per sequence that holds it: above 1 with sharing
+        return dict(kv_util=self.held / self.reserved_paged, kv_util_contiguous=self.held / self.reserved_contiguous,
+                    preemptions=preemptions, token_steps=self.held, paged_slot_steps=self.reserved_paged,
+                    contiguous_slot_steps=self.reserved_contiguous, computed_tokens=self.computed,
+                    blocks_used=self.blocks_used / self.n_steps, blocks_peak=self.blocks_peak,
+                    hit_rate=cached / admitted, cached_tokens=cached, evictions=evictions, cow_copies=copies)
+
+
+class InvariantChecks:
+    """An observer for tests (PagedEngine.check_invariants = True): a step writes only into blocks that
+    are its sequences' own, and the block manager's invariants hold after every step."""
+
+    def __init__(self, engine):
+        self.scheduler, self.block_manager = engine.scheduler, engine.block_manager
+
+    def scheduled(self, batch):
+        for seq, n in batch:
+            self.block_manager.check_writable(seq.seq_id, seq.n_computed, seq.n_computed + n)
+
+    def stepped(self):
+        self.block_manager.check_invariants({s.seq_id: s.n_computed for s in self.scheduler.running})
 
 
 class PagedEngine:
-    """The scheduler, the block manager and the model runner in one loop."""
+    """The scheduler, the block manager and the model runner in one loop. stats=True (the default: the
+    scripts report them) fills `self.stats` after each generate call through an EngineStats observer;
+    stats=False runs without it (`self.stats` is None)."""
 
-    def __init__(self, model, n_blocks, block_size, max_seqs, chunk_size=None, prefix_sharing=True):
+    def __init__(self, model, n_blocks, block_size, max_seqs, chunk_size=None, prefix_sharing=True, stats=True):
         self.model = model
         self.block_manager = BlockManager(n_blocks, block_size, prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, max_seqs, chunk_size)
         self.runner = ModelRunner(model, n_blocks, block_size)
+        self.collect_stats, self.stats = stats, None
         self.check_invariants = False  # tests turn it on: the block manager is checked after every step
 
     def check_pool(self, requests):
@@ -415,11 +492,15 @@ class PagedEngine:
                 raise ValueError(f"request {i} needs {need} blocks of {bm.block_size} tokens, more than the pool's "
                                  f"{bm.n_blocks}: give the pool at least {need} blocks")
 
+    def observers(self, seqlen):
+        return ([EngineStats(self, seqlen)] if self.collect_stats else []) + \
+            ([InvariantChecks(self)] if self.check_invariants else [])
+
     def generate(self, requests, seqlen, clock=None):
         """Serve every request (prompt, n_tokens); `clock`: a serving.ServingClock (None: all at time 0).
 
         Returns (outputs, n_steps) like the post's batching functions (outputs[i]: request i's prompt
-        followed by its new tokens, 1-D), and fills `self.stats`."""
+        followed by its new tokens, 1-D), and fills `self.stats` (with stats=True)."""
         requests = serving.check_requests(self.model, requests, self.scheduler.max_seqs, seqlen)
         self.check_pool(requests)
         if self.scheduler.waiting or self.scheduler.running:
@@ -427,45 +508,30 @@ class PagedEngine:
         clock = clock or serving.ServingClock.offline(requests, self.runner.k_pool.device)
         seqs = [Sequence(i, prompt.tolist(), n) for i, (prompt, n) in enumerate(requests)]
         pending = deque(sorted(seqs, key=lambda s: clock.arrivals[s.seq_id]))
-        held = reserved_paged = reserved_contiguous = computed = blocks_used = blocks_peak = 0
-        sched, bm = self.scheduler, self.block_manager
-        before = (sched.n_preemptions, sched.n_admitted_tokens, sched.n_cached_tokens, bm.n_evictions, bm.n_copies)
-        n_steps = 0
-        while pending or self.scheduler.waiting or self.scheduler.running:
+        observers, scheduler, n_steps = self.observers(seqlen), self.scheduler, 0
+        while pending or scheduler.waiting or scheduler.running:
             while pending and clock.arrived(pending[0].seq_id):
-                self.scheduler.add(pending.popleft())
-            if not (self.scheduler.waiting or self.scheduler.running):
+                scheduler.add(pending.popleft())
+            if not (scheduler.waiting or scheduler.running):
                 clock.wait_for(pending[0].seq_id)
                 continue
             with clock.step(rows=0):  # no row computes a token that is thrown away
-                batch = self.scheduler.schedule()
-                if not batch:
-                    raise RuntimeError("the scheduler made no progress; this is a bug")
-                # KV memory after this step: tokens held against allocated slots, and against a
-                # contiguous cache that reserves seqlen slots per running sequence
-                scheduled = {seq.seq_id: n for seq, n in batch}
-                held += sum(s.n_computed + scheduled.get(s.seq_id, 0) for s in self.scheduler.running)
-                reserved_paged += bm.n_used * bm.block_size
-                reserved_contiguous += len(self.scheduler.running) * seqlen
-                computed += sum(scheduled.values())
-                blocks_used, blocks_peak = blocks_used + bm.n_used, max(blocks_peak, bm.n_used)
-                for seq, n in batch if self.check_invariants else ():
-                    bm.check_writable(seq.seq_id, seq.n_computed, seq.n_computed + n)
-                next_tokens = self.runner.run(batch, self.block_manager).tolist()
-                got_token = self.scheduler.update(batch, next_tokens)
-            if self.check_invariants:
-                self.block_manager.check_invariants({s.seq_id: s.n_computed for s in self.scheduler.running})
+                got_token = self.step(observers)
+            for observer in observers:
+                observer.stepped()
             for seq in got_token:
                 clock.token(seq.seq_id, len(seq.output))
             n_steps += 1
-        preemptions, admitted, cached, evictions, copies = (
-            now - then for now, then in zip((sched.n_preemptions, sched.n_admitted_tokens, sched.n_cached_tokens,
-                                             bm.n_evictions, bm.n_copies), before))
-        # kv_util counts a shared block's tokens once per sequence that holds it: above 1 with sharing
-        self.stats = dict(kv_util=held / reserved_paged, kv_util_contiguous=held / reserved_contiguous,
-                          preemptions=preemptions, token_steps=held, paged_slot_steps=reserved_paged,
-                          contiguous_slot_steps=reserved_contiguous, computed_tokens=computed,
-                          blocks_used=blocks_used / n_steps, blocks_peak=blocks_peak, hit_rate=cached / admitted,
-                          cached_tokens=cached, evictions=evictions, cow_copies=copies)
+        self.stats = observers[0].summary() if self.collect_stats else None
         outputs = [torch.tensor(seq.tokens, dtype=torch.long, device=requests[0][0].device) for seq in seqs]
         return outputs, n_steps
+
+    def step(self, observers=()):
+        """Schedule, run and account for one step; returns the sequences that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("the scheduler made no progress; this is a bug")
+        for observer in observers:
+            observer.scheduled(batch)
+        next_tokens = self.runner.run(batch, self.block_manager).tolist()
+        return self.scheduler.update(batch, next_tokens)

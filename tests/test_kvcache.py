@@ -224,3 +224,28 @@ def test_token_ids_seqlen_and_caches_of_another_shape_are_clear_errors(tiny_mode
     float64 = StaticKVCache(TINY["n_layers"], 2, TINY["n_heads"], TINY["d_head"], SEQLEN, dtype=torch.float64)
     with pytest.raises(ValueError, match="another model, batch or dtype"):
         generate_kvcache(cached, prompt, 3, SEQLEN, kv_cache=float64)
+
+
+def test_kv_cache_view_is_the_gptlites_cached_forward_pass_on_its_own_weights(tiny_models):
+    from gptlite import Block
+    from gptlite_kvcache import DynamicKVCache, kv_cache_view
+    base, cached = tiny_models
+    view = kv_cache_view(base)
+    assert kv_cache_view(cached) is cached and kv_cache_view(view) is view
+    assert all(p is q for p, q in zip(view.parameters(), base.parameters()))  # shared, not copied
+    assert all(type(b) is Block for b in base.blocks)  # the GPTlite itself is unchanged
+    x = random_tokens(2, SEQLEN, seed=8)
+    logits, cache = view(x[:, :9])
+    expected, expected_cache = cached(x[:, :9])
+    assert torch.equal(logits, expected) and isinstance(cache, list)
+    assert all(torch.equal(k, ek) for (k, _), (ek, _) in zip(cache, expected_cache))
+    assert torch.equal(generate_kvcache(view, x[:, :4], 20, SEQLEN), generate_kvcache(cached, x[:, :4], 20, SEQLEN))
+    with torch.no_grad():  # a later change to the GPTlite's weights is the view's too
+        base.fc_out.bias.add_(1.0)
+    assert torch.equal(view(x)[0], base(x))
+    with pytest.raises(ValueError, match="needs a GPTlite or a GPTlite_KVCache"):
+        kv_cache_view(torch.nn.Module())
+    # the list given is never modified; an interface object given is returned, updated in place
+    obj = DynamicKVCache(cache, max_seqlen=SEQLEN)
+    _, returned = cached(x[:, 9:10], kv_cache=obj)
+    assert returned is obj and len(obj) == 10 and cache[0][0].shape[2] == 9

@@ -118,6 +118,36 @@ def test_gptlite_moba_of_every_block_gives_gptlite_logits_and_fewer_blocks_do_no
         assert not torch.allclose(main_moba.moba_from(base, TINY, 4, 2)(x), base(x), atol=1e-3)
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_moba_as_a_kv_cache_of_gptlites_own_forward_pass_gives_gptlite_moba(top_k):
+    """MoBA's selection through the cache interface: a prompt, then one token at a time, equals the rows of
+    GPTlite_MoBA's whole-sequence forward pass; the recorded keys read are the formula's."""
+    from gptlite_kvcache import decode_one_token, generate_kvcache, kv_cache_view
+    from lib.moba import MoBACache
+    base = random_gptlite()
+    x = torch.randint(TINY["vocab_size"], (3, TINY["seqlen"]), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = main_moba.moba_from(base, TINY, 4, top_k)(x)  # [B, S, vocab]
+        cache = MoBACache(TINY["n_layers"], 4, top_k, TINY["seqlen"], record=True)
+        cached = kv_cache_view(base)
+        steps = [cached(x[:, :6], kv_cache=cache)[0]]
+        for t in range(6, TINY["seqlen"]):
+            steps.append(cached(x[:, t:t + 1], kv_cache=cache)[0])
+            assert all(k.shape == (3, TINY["n_heads"], 1) and (k == keys_read(t, 4, top_k)).all()
+                       for k in cache.keys_read)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    # greedy decoding with it: the tokens of re-running GPTlite_MoBA on the whole sequence each step
+    prompt, sequence = x[:, :5], x[:, :5]
+    with torch.no_grad():
+        for _ in range(TINY["seqlen"] - 5):
+            sequence = torch.cat([sequence, main_moba.moba_from(base, TINY, 4, top_k)(sequence)[:, -1:].argmax(-1)], 1)
+    out = generate_kvcache(cached, prompt, TINY["seqlen"] - 5, TINY["seqlen"],
+                           kv_cache=MoBACache(TINY["n_layers"], 4, top_k, TINY["seqlen"]))
+    assert torch.equal(out, sequence)
+    with pytest.raises(ValueError, match="exceed seqlen"):  # the blocks are the cache's slots: no window
+        decode_one_token(cached, x[:, :1], cache, TINY["seqlen"])
+
+
 def test_the_script_checks_pass_with_flex_attention_and_catch_a_flex_that_ignores_the_mask():
     from torch.nn.attention.flex_attention import flex_attention
     base = random_gptlite()

@@ -366,3 +366,75 @@ def test_preempting_sequences_that_hold_shared_blocks_completes_every_request_ex
     assert any(preempted_sharing)  # some preempted sequence held blocks that others held too
     assert eng.stats["cached_tokens"] > 0 and eng.block_manager.n_evictions > 0
     assert_all_free_or_cached(eng.block_manager)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Statistics as an observer of the steps; the runner through the model's own cached forward pass.
+
+def reference_loop_stats(eng, requests, clock):
+    """The engine's loop with its counters written out inline, as it was before they became an observer."""
+    sched, bm = eng.scheduler, eng.block_manager
+    seqs = [Sequence(i, prompt.tolist(), n) for i, (prompt, n) in enumerate(requests)]
+    pending = sorted(seqs, key=lambda s: clock.arrivals[s.seq_id])
+    held = paged = contiguous = computed = used = peak = n_steps = 0
+    while pending or sched.waiting or sched.running:
+        while pending and clock.arrived(pending[0].seq_id):
+            sched.add(pending.pop(0))
+        if not (sched.waiting or sched.running):
+            clock.wait_for(pending[0].seq_id)
+            continue
+        with clock.step(rows=0):
+            batch = sched.schedule()
+            scheduled = {seq.seq_id: n for seq, n in batch}
+            held += sum(s.n_computed + scheduled.get(s.seq_id, 0) for s in sched.running)
+            paged += bm.n_used * bm.block_size
+            contiguous += len(sched.running) * SEQLEN
+            computed += sum(scheduled.values())
+            used, peak = used + bm.n_used, max(peak, bm.n_used)
+            got = sched.update(batch, eng.runner.run(batch, bm).tolist())
+        for seq in got:
+            clock.token(seq.seq_id, len(seq.output))
+        n_steps += 1
+    return dict(kv_util=held / paged, kv_util_contiguous=held / contiguous, preemptions=sched.n_preemptions,
+                token_steps=held, paged_slot_steps=paged, contiguous_slot_steps=contiguous, computed_tokens=computed,
+                blocks_used=used / n_steps, blocks_peak=peak, hit_rate=sched.n_cached_tokens / sched.n_admitted_tokens,
+                cached_tokens=sched.n_cached_tokens, evictions=bm.n_evictions, cow_copies=bm.n_copies), \
+        [torch.tensor(s.tokens) for s in seqs]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_engine_stats_observer_counts_what_the_inline_counters_counted(tiny_models, chunk_size):
+    requests = shared_prefix_requests(10, seed=9, prefix_len=6) + random_requests(4, seed=10)
+    need = max(-(-(len(p) + n - 1) // 2) for p, n in requests)
+    arrivals = [0.0] * (len(requests) - 4) + [1e3] * 4  # shared blocks, preemption, then later arrivals
+    make = lambda **kw: PagedEngine(tiny_models[0], need + 1, 2, 5, chunk_size, **kw)  # noqa: E731
+    clock = lambda: serving.ServingClock(arrivals, [n for _, n in requests])  # noqa: E731
+    expected, expected_outputs = reference_loop_stats(make(), requests, clock())
+    eng = make()
+    outputs, _ = eng.generate(requests, SEQLEN, clock())
+    assert eng.stats == expected and expected["preemptions"] > 0 and expected["cached_tokens"] > 0
+    assert_same(outputs, expected_outputs)
+    quiet = make(stats=False)  # no observer: the same tokens, no statistics
+    assert_same(quiet.generate(requests, SEQLEN, clock())[0], expected_outputs) and quiet.stats is None
+
+
+def test_runner_runs_the_models_own_forward_pass_sharing_its_weights(tiny_models, monkeypatch):
+    """The runner's model is the GPTlite's cached view (the same parameter tensors); its attention is
+    the model's own (a swapped kernel is used); the pool holds what the dynamic cache holds."""
+    base, cached = tiny_models
+    eng = engine(tiny_models)
+    view = eng.runner.model
+    assert all(p.data_ptr() == q.data_ptr() for p, q in zip(view.parameters(), base.parameters()))
+    calls = []
+    attention = type(view.blocks[0].mha).attention
+    monkeypatch.setattr(type(view.blocks[0].mha), "attention",
+                        lambda self, *a: calls.append(len(a)) or attention(self, *a))
+    prompt = torch.tensor([5, 9, 2, 7, 1])
+    (out,), _ = eng.generate([(prompt, 3)], SEQLEN)
+    assert calls and set(calls) == {4}  # Q, K, V and the block tables' mask, every layer of every step
+    _, kv = cached(out[None, :-1])
+    slots = eng.block_manager.match(out.tolist())  # the cached full blocks, in order
+    for layer, (K, V) in enumerate(kv):
+        for i, block in enumerate(slots):
+            pool = eng.runner.k_pool[layer, block * 4:(block + 1) * 4]  # [4, H, D]
+            torch.testing.assert_close(pool, K[0, :, i * 4:(i + 1) * 4].transpose(0, 1), atol=1e-5, rtol=0)

@@ -192,3 +192,108 @@ def test_streaming_reference_and_variants(tiny_models, tiny_rope):
     assert 0 < by_name["rotary: 2 sinks + cache 16"]["first_mass"] <= 1
     nll = F.cross_entropy(msa.reencoding_logits(tiny_rope, stream[:-1], W), stream[1:], reduction="none")
     assert losses["rotary: re-encode last 16"][1] == pytest.approx(nll[20:40].mean().item(), abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The budgets run through the model's own cached forward pass (gptlite_kvcache's cache interface); the
+# reference is the hand-written budgeted forward pass they replaced, kept here as it was.
+
+class ReferenceCache:
+    def __init__(self, n_layers, n_first=4):
+        self.layers, self.n_tokens, self.n_first = [None] * n_layers, 0, n_first
+        self.first_mass, self.first_uniform, self.n_steps = [0.0] * n_layers, 0.0, 0
+
+    def __len__(self):
+        return 0 if self.layers[0] is None else self.layers[0].keys.shape[2]
+
+
+def reference_forward_budget(model, idx, cache, method):
+    from gptlite_rope import apply_rope
+    T, seqlen = idx.shape[1], model.seqlen
+    rotary = isinstance(model, GPTlite_RoPE)
+    x = model.token_embedding(idx)
+    if not rotary:
+        x = x + model.position_embedding(torch.arange(cache.n_tokens, cache.n_tokens + T).clamp(max=seqlen - 1))
+    for layer, block in enumerate(model.blocks):
+        mha, h = block.mha, block.ln1(x)
+        Q, K, V = (mha.split_heads(proj(h)) for proj in (mha.query_proj, mha.key_proj, mha.value_proj))
+        kv = cache.layers[layer]
+        if kv is None:
+            kv = kb.LayerKV(K, V)
+        else:
+            score = None if kv.score is None else F.pad(kv.score, (0, T))
+            kv = kb.LayerKV(torch.cat([kv.keys, K], dim=2), torch.cat([kv.values, V], dim=2), score, kv.queries)
+        if kv.keys.shape[2] > seqlen:
+            kv = kb.gather(kv, kb.last_entries(kv, seqlen))
+        n, Kn = kv.keys.shape[2], kv.keys
+        if rotary:
+            Q = apply_rope(Q, model.rope_cos[n - T:n], model.rope_sin[n - T:n])
+            Kn = apply_rope(Kn, model.rope_cos[:n], model.rope_sin[:n])
+        mask = torch.ones(T, n, dtype=torch.bool).tril(diagonal=n - T) if T > 1 else method.select(Q, Kn)
+        out, weights = kb.attend(Q, Kn, kv.values, mask)
+        cache.first_mass[layer] += weights[:, :, -1, :cache.n_first].sum(dim=-1).mean().item() if T == 1 else 0.0
+        x = x + mha.out_proj(mha.merge_heads(out))
+        x = x + block.ffwd(block.ln2(x))
+        method.observe(kv, Q, weights)
+        idx_keep = method.keep(kv)
+        cache.layers[layer] = kv if idx_keep is None else kb.gather(kv, idx_keep)
+    cache.n_tokens += T
+    cache.n_steps += T == 1
+    if T == 1:
+        cache.first_uniform += min(cache.n_first, n) / n
+    return model.fc_out(model.ln(x))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_budgets_through_the_models_forward_equal_the_hand_written_pass(tiny_models, tiny_rope, name):
+    base, _ = tiny_models
+    x = torch.randint(65, (2, 2 * TINY["seqlen"] + 3), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for model in (base, tiny_rope):
+            ref_cache = ReferenceCache(len(model.blocks), n_first=2)
+            ref_method, new_method = method(name, 8), method(name, 8)
+            # a prompt of 5 (dense prefill), then one token at a time, past the window
+            expected = torch.cat([reference_forward_budget(model, x[:, :5], ref_cache, ref_method)]
+                                 + [reference_forward_budget(model, x[:, t:t + 1], ref_cache, ref_method)
+                                    for t in range(5, x.shape[1])], dim=1)
+            cache = kb.BudgetCache(len(model.blocks), n_first=2)
+            got = torch.cat([kb.forward_budget(model, x[:, :5], cache, new_method),
+                             kb.teacher_forced_logits(model, x[:, 5:], new_method, cache)], dim=1)
+            assert torch.equal(got, expected)
+            assert cache.first_mass == ref_cache.first_mass and cache.n_steps == ref_cache.n_steps
+            assert cache.first_uniform == ref_cache.first_uniform
+            for kv, ref in zip(cache.layers, ref_cache.layers):
+                assert torch.equal(kv.keys, ref.keys) and torch.equal(kv.values, ref.values)
+        prompt = x[:, :4]
+        ref_cache, ref_method = ReferenceCache(len(base.blocks)), method(name, 8)
+        token = reference_forward_budget(base, prompt, ref_cache, ref_method)[:, -1:].argmax(dim=-1)
+        tokens = [prompt, token]
+        for _ in range(20):
+            token = reference_forward_budget(base, token, ref_cache, ref_method)[:, -1:].argmax(dim=-1)
+            tokens.append(token)
+        assert torch.equal(kb.generate_budget(base, prompt, 21, method(name, 8)), torch.cat(tokens, dim=1))
+
+
+def test_no_statistics_means_no_device_sync_in_the_decode_loop(tiny_models, tiny_rope, monkeypatch):
+    """Without n_first the budgeted decode never calls .item() (a device sync on CUDA); with it, the
+    attention mass is still collected without one, and read once at the end."""
+    base, _ = tiny_models
+    x = torch.randint(65, (2, 20))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail(".item() inside the decode loop"))
+    kb.teacher_forced_logits(base, x, method("H2O", 6))
+    kb.generate_budget(tiny_rope, x[:, :3], 10, method("sinks", 6))
+    cache = kb.BudgetCache(len(base.blocks), n_first=2)
+    kb.teacher_forced_logits(base, x, method("sinks", 6), cache)
+    monkeypatch.undo()
+    assert cache.n_steps == 20 and all(0 < m / 20 <= 1 for m in cache.first_mass)
+    assert kb.BudgetCache(len(base.blocks)).stats is None
+
+
+def test_a_budget_cache_without_a_window_is_a_clear_error(tiny_models):
+    from gptlite_kvcache import kv_cache_view
+    base, _ = tiny_models
+    with pytest.raises(ValueError, match="no window yet"):
+        kv_cache_view(base)(torch.randint(65, (1, 3)), kv_cache=kb.BudgetCache(len(base.blocks)))
+    cache = kb.BudgetCache(len(base.blocks)).use(kb.SlidingWindow(4), base)
+    kv_cache_view(base)(torch.randint(65, (1, 3)), kv_cache=cache)
+    assert cache.max_seqlen == TINY["seqlen"] and len(cache) == 3
