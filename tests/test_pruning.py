@@ -249,10 +249,10 @@ def test_save_and_reload_replaces_nothing_when_the_reloaded_model_differs(tiny_m
         return ckpt
     monkeypatch.setattr(iu, "load_checkpoint", corrupted)
     with pytest.raises(GPTliteError, match="other logits"):
-        iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
+        training.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
     assert path.read_bytes() == b"the previous file" and list(tmp_path.iterdir()) == [path]
     monkeypatch.setattr(iu, "load_checkpoint", load_checkpoint)
-    iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
+    training.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
     assert torch.equal(files.load_checkpoint(path)["state_dict"]["fc_out.bias"], base.fc_out.bias)
 
 
