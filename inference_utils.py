@@ -13,11 +13,10 @@ import torch
 
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from lib.corpus import sample_prompts
 from lib.presets import get_preset
-from lib.errors import CheckpointError, GPTliteError
-from lib.files import atomic_file, checkpoint_path, gptlite_command, load_checkpoint, save_checkpoint
-from lib.training import logits_of, train_steps
+from lib.errors import CheckpointError, GPTliteError  # noqa: F401 (GPTliteError: re-exported)
+from lib.files import checkpoint_path, gptlite_command, load_checkpoint, save_checkpoint
+from lib.training import train_steps
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -300,42 +299,31 @@ def generation_figures(variants, n_tokens, batch_size, device, repeats):
             for name, fn in variants.items()}
 
 
-def measure_models(models, data, n_tokens, prompt_len, batch_size, device, repeats, seed=0):
-    """Generation figures of each GPTlite of {name: model}, with its kv_cache_model + generate_kvcache.
-
-    Correctness first: the cached model's tokens must equal generate()'s (no cache) while they fit the
-    window. Returns {name: dict of figures} and the names whose tokens differ."""
-    prompts = sample_prompts(data, batch_size, prompt_len, seed=seed, device=device)
-    fns, figures, failures = {}, {}, []
+def kv_cache_checks(models, prompts, n_tokens):
+    """Correctness first: the kv_cache_model of each GPTlite of {name: model}, and whether its greedy
+    tokens after `prompts` [B, P] equal generate()'s (no cache) while they fit the window.
+    Returns {name: cached model} and the checks {"<name>: KV-cache tokens = the model's own": ok}."""
+    cached, checks = {}, {}
     for name, model in models.items():
-        cached, seqlen = kv_cache_model(model), model.seqlen
-        in_window = min(seqlen - prompt_len + 1, n_tokens)
-        if not torch.equal(generate_kvcache(cached, prompts, in_window, seqlen),
-                           generate(model.eval(), prompts, in_window, seqlen)):
-            failures.append(name)
-        fns[name] = lambda n, cached=cached, seqlen=seqlen: generate_kvcache(cached, prompts, n, seqlen)
-        with torch.inference_mode():  # the cache at the end of generation: the last min(length, seqlen) tokens
-            full = torch.ones(batch_size, min(prompt_len + n_tokens - 1, seqlen), dtype=torch.long, device=device)
-            kv_mb = kv_cache_bytes(cached(full)[1]) / 2**20
+        cached[name], seqlen = kv_cache_model(model), model.seqlen
+        n = min(seqlen - prompts.shape[1] + 1, n_tokens)
+        checks[f"{name}: KV-cache tokens = the model's own"] = torch.equal(
+            generate_kvcache(cached[name], prompts, n, seqlen), generate(model.eval(), prompts, n, seqlen))
+    return cached, checks
+
+
+def measure_models(models, cached, prompts, n_tokens, device, repeats):
+    """Generation figures of each GPTlite of {name: model} with its checked twin cached[name] (kv_cache_checks)
+    and generate_kvcache: params, size_mb, kv_cache_mb (the cache at the end of generation: the last
+    min(length, seqlen) tokens) and generation_figures'. Returns {name: dict of figures}."""
+    batch_size, prompt_len = prompts.shape
+    fns, figures = {}, {}
+    for name, model in models.items():
+        fns[name] = lambda n, m=cached[name]: generate_kvcache(m, prompts, n, m.seqlen)
+        with torch.inference_mode():
+            full = torch.ones(batch_size, min(prompt_len + n_tokens - 1, model.seqlen), dtype=torch.long,
+                              device=prompts.device)
+            kv_mb = kv_cache_bytes(cached[name](full)[1]) / 2**20
         figures[name] = dict(params=n_params(model), size_mb=model_size_mb(model), kv_cache_mb=kv_mb)
     timings = generation_figures(fns, n_tokens, batch_size, device, repeats)
-    return {name: dict(figures[name], **timings[name]) for name in models}, failures
-
-
-def save_and_reload(path, model, config, vocab, rebuild, **meta):
-    """Save `model` with `config` (model.config.to_dict(): its constructor's keyword arguments), load it back
-    as type(model)(**config) and check that the logits are identical; only then does the file replace
-    `path` (an error leaves whatever was there)."""
-    device = next(model.parameters()).device
-    x = torch.randint(config["vocab_size"], (2, config["seqlen"]), device=device)
-    with atomic_file(path) as tmp:
-        save_checkpoint(tmp, model, config, vocab, rebuild=rebuild, **meta)
-        ckpt = load_checkpoint(tmp, vocab=vocab, rebuild=rebuild)
-        reloaded = type(model)(**ckpt["config"]).to(device).eval()
-        reloaded.load_state_dict(ckpt["state_dict"])
-        with torch.no_grad():
-            if not torch.equal(logits_of(model.eval()(x)), logits_of(reloaded(x))):
-                raise GPTliteError(f"{path}: the reloaded {type(model).__name__} gives other logits than the "
-                                   "saved model; this is a bug (nothing saved)")
-    print(f"saved {path}; reloaded as {type(model).__name__}(**config): identical logits")
-
+    return {name: dict(figures[name], **timings[name]) for name in models}

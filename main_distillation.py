@@ -27,8 +27,7 @@ import torch.nn.functional as F
 
 import inference_utils as iu
 from gptlite import GPTlite
-from lib.errors import GPTliteError
-from lib import files, harness, presets, training
+from lib import corpus, files, harness, presets, training
 
 DEFAULT_ITERS = {"cpu": 300}  # student training steps; other presets: the student preset's iters
 
@@ -98,17 +97,18 @@ def table_rows(figures, val_losses):
     return rows
 
 
-def plot_histories(histories, teacher_loss, path, title):
+def plot_histories(histories, teacher_loss, title):
     fig, ax = harness.new_figure()
     for name, history in histories.items():
         ax.plot([h["step"] for h in history], [h["val_loss"] for h in history], marker="o", label=name)
     ax.axhline(teacher_loss, color="gray", linestyle="--", label="teacher")
     ax.set(xlabel="training steps", ylabel="validation loss (nats/char)", title=title)
     ax.legend()
-    harness.save_plot(fig, path)
+    return fig
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--iters", type=harness.int_at_least(1), default=None, help=f"training steps of each student "
@@ -123,12 +123,28 @@ def parse_args(argv):
     add("--repeats", type=harness.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
     args = parser.parse_args(argv)
 
-    return args, parser, None  # no check needs the preset beyond harness.setup's
+    def check_args(preset):
+        batch_size = args.batch_size or preset.batch_size  # a student's training step, with the teacher's labels
+        harness.check_fits(parser, "--batch-size", training.activation_bytes(student_preset(preset), batch_size, backward=True)
+                           + training.activation_bytes(preset, batch_size), f"a training batch of {batch_size} windows")
+        harness.check_fits(parser, "--n-tokens", 3 * (args.prompt_len + args.n_tokens) * 8,
+                           f"{args.n_tokens} new tokens after a prompt")
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def headline(rows, iters):
+    """The README's one-glance row, from this run's rows."""
+    teacher, hard, soft, both = (next(r for r in rows if r["variant"].startswith(v))
+                                 for v in ("teacher", "hard labels", "soft labels", "soft + hard"))
+    speedup = "-" if hard["speedup"] is None else f"{hard['speedup']:.1f}"
+    return dict(technique=f"distillation, {hard['params'] / 1e6:.2f}M student of the {teacher['params'] / 1e6:.2f}M "
+                          f"model, {iters} steps",
+                figure=f"val loss soft + hard {both['val_loss']:.3f}, hard labels {hard['val_loss']:.3f}, soft labels "
+                       f"{soft['val_loss']:.3f} (teacher {teacher['val_loss']:.3f}); TPOT {speedup}x below the teacher's")
 
 
 def main(argv=None):
-    args, parser, check_args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     teacher = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     teacher.requires_grad_(False)  # frozen: eval mode (load_model) and no gradients
     student_cfg = student_preset(preset)
@@ -147,33 +163,27 @@ def main(argv=None):
     val_losses = {name: training.validation_loss(model, data) for name, model in students.items()}
     val_losses["teacher"] = training.validation_loss(teacher, data)
     best = min(students, key=val_losses.get)
-    figures, failures = iu.measure_models({"teacher": teacher} | students, data, args.n_tokens, args.prompt_len, 1,
-                                          device, args.repeats, args.seed)
-    rows = table_rows(figures, val_losses)
+    models = {"teacher": teacher} | students
+    prompts = corpus.sample_prompts(data, 1, args.prompt_len, seed=args.seed, device=device)
+    cached, checks = iu.kv_cache_checks(models, prompts, args.n_tokens)
+    harness.require_checks(checks)  # before anything is timed or written
+    rows = table_rows(iu.measure_models(models, cached, prompts, args.n_tokens, device, args.repeats), val_losses)
 
     print(f"\n{iters} steps per student, batch {batch_size}; generation: batch 1, {args.prompt_len}-token prompts, "
           f"{args.n_tokens} new tokens with the KV cache, median of {args.repeats}; speedup = teacher TPOT / TPOT")
-    harness.print_table(rows, untrained=args.untrained)
     hard, soft = val_losses["hard labels"], min(val_losses[n] for n in students if n != "hard labels")
     summary = [iu.peak_memory_label(device),
                f"best distilled student against the hard-label student: {soft:.4f} vs {hard:.4f} "
                f"({'distillation wins' if soft < hard else 'distillation does NOT win'}); best: {best}"]
-    print("\n".join(summary))
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
-                              "this is a bug (nothing written)")
-
     if args.save:
-        iu.save_and_reload(args.save, students[best], config, data.vocab,
-                           files.rebuild_command("main_distillation.py", argv, preset), teacher=preset.name,
-                           variant=best, iters=iters, temperature=args.temperature, val_loss=val_losses[best])
-    if args.plot:
-        plot_histories(histories, val_losses["teacher"], args.plot,
-                       f"students of {preset.name}, T={args.temperature} ({device})")
-    if args.json:
-        harness.save_json(args.json, "main_distillation.py", preset, device, rows, untrained=args.untrained,
-                     student_config=config, iters=iters, batch_size=batch_size, temperature=args.temperature,
-                     alpha=args.alpha, histories=histories, best=best, saved=args.save, summary=summary)
+        training.save_and_reload(args.save, students[best], config, data.vocab,
+                                 files.rebuild_command("main_distillation.py", argv, preset), teacher=preset.name,
+                                 variant=best, iters=iters, temperature=args.temperature, val_loss=val_losses[best])
+    title = f"students of {preset.name}, T={args.temperature} ({device})"
+    harness.report(args, "main_distillation.py", preset, device, rows, headline(rows, iters), summary=summary,
+                   plot=lambda: plot_histories(histories, val_losses["teacher"], title), student_config=config,
+                   iters=iters, batch_size=batch_size, temperature=args.temperature, alpha=args.alpha,
+                   histories=histories, best=best, saved=args.save, checks=checks)
 
 
 if __name__ == "__main__":

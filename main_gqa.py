@@ -59,7 +59,7 @@ def convert_and_uptrain(base, data, preset, window, prompts, n_tokens, steps, lr
     return models, rows, checks
 
 
-def plot_results(rows, path, preset, device):
+def plot_results(rows, preset, device):
     fig, (ax_loss, ax_time) = harness.new_figure(2)
     kv = [r["kv_cache_mb"] for r in rows]
     ax_loss.plot(kv, [r["loss_converted"] for r in rows], marker="o", linestyle="--", label="converted")
@@ -74,10 +74,11 @@ def plot_results(rows, path, preset, device):
     ax_loss.legend()
     ax_time.set(xlabel="KV cache at a full window (MB)", ylabel="TPOT (ms)", ylim=(0, None),
                 title=f"greedy decoding, batch {rows[0]['batch_size']} ({device})")
-    harness.save_plot(fig, path)
+    return fig
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--uptrain-steps", type=harness.int_at_least(1), default=None,
@@ -96,12 +97,31 @@ def parse_args(argv):
     def check_args(preset):
         if args.save_groups is not None and args.save_groups not in group_counts(preset.n_heads):
             parser.error(f"--save-groups must divide n_heads={preset.n_heads}: one of {group_counts(preset.n_heads)}")
-    return args, parser, check_args
+        check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def check_sizes(parser, preset, batch_size, prompt_len, n_tokens):
+    """--batch-size: full windows through every variant (and their caches); --n-tokens: the generated tokens."""
+    harness.check_fits(parser, "--batch-size", training.activation_bytes(preset, batch_size),
+                       f"a batch of {batch_size} full windows")
+    harness.check_fits(parser, "--n-tokens", 3 * batch_size * (prompt_len + n_tokens) * 8,
+                       f"{n_tokens} new tokens for each of {batch_size} prompts")
+
+
+def headline(rows, steps):
+    """The README's one-glance row, from this run's rows."""
+    mha, others = rows[0], rows[1:]
+    listed = lambda key, rows, fmt="{}": ", ".join(  # noqa: E731
+        f"{r['variant']} {'-' if r[key] is None else fmt.format(r[key])}" for r in rows)
+    return dict(technique=f"GQA and MQA, converted from MHA, {steps} uptraining steps",
+                figure=f"KV cache / MHA's: {listed('kv_vs_mha', others)}; TPOT at batch {mha['batch_size']}: "
+                       f"{listed('tpot_ms', rows, '{:.1f}')} ms; loss against MHA: "
+                       f"{listed('loss_vs_mha', others, '{:+.4f}')}")
 
 
 def main(argv=None):
-    args, parser, check_args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
     counts = group_counts(preset.n_heads)
     save_groups = args.save_groups or next((g for g in reversed(counts) if 1 < g < preset.n_heads), 1)
@@ -111,34 +131,28 @@ def main(argv=None):
     prompts = window[:, :args.prompt_len]
     models, rows, checks = convert_and_uptrain(base, data, preset, window, prompts, args.n_tokens, steps, lr,
                                                args.seed, device)
-    fns = {name: (lambda n, m=model: generate_kvcache(m, prompts, n, preset.seqlen)) for name, model in models.items()}
-    timings = iu.generation_figures(fns, args.n_tokens, args.batch_size, device, args.repeats)
-    rows = [{**row, **timings[row["variant"]]} for row in rows]
-
-    print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
-          f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
-          f"runs; KV cache at a full window of {preset.seqlen} tokens")
-    harness.print_table(rows, untrained=args.untrained)
     summary = ["val loss: after uptraining; loss_converted: right after conversion. " + iu.peak_memory_label(device),
                f"MHA conversion (n_groups = n_heads) equals the multi-head model: "
                f"{'yes, logits and tokens' if checks['MHA conversion exact'] else 'NO'}",
                "cached decoding equals the full forward pass for " + ", ".join(
                    f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items() if name != "MHA conversion exact")]
-    print("\n".join(summary))
-    harness.require_checks(checks)
+    harness.require_checks(checks)  # before anything is timed or written
 
+    fns = {name: (lambda n, m=model: generate_kvcache(m, prompts, n, preset.seqlen)) for name, model in models.items()}
+    timings = iu.generation_figures(fns, args.n_tokens, args.batch_size, device, args.repeats)
+    rows = [{**row, **timings[row["variant"]]} for row in rows]
+    print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
+          f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
+          f"runs; KV cache at a full window of {preset.seqlen} tokens")
     if args.save is not None:
         row = next(r for r in rows if r["n_groups"] == save_groups)
-        model = models[row["variant"]]
-        iu.save_and_reload(args.save, model, model.config.to_dict(),
-                           data.vocab, files.rebuild_command("main_gqa.py", argv, preset), preset=preset.name,
-                           converted_from="mha", uptrain_steps=steps, val_loss=row["val_loss"],
-                           untrained=args.untrained)
-    if args.plot:
-        plot_results(rows, args.plot, preset, device)
-    if args.json:
-        harness.save_json(args.json, "main_gqa.py", preset, device, rows, untrained=args.untrained,
-                     uptrain_steps=steps, lr=lr, checks=checks, saved=args.save, summary=summary)
+        training.save_and_reload(args.save, models[row["variant"]], models[row["variant"]].config.to_dict(),
+                                 data.vocab, files.rebuild_command("main_gqa.py", argv, preset), preset=preset.name,
+                                 converted_from="mha", uptrain_steps=steps, val_loss=row["val_loss"],
+                                 untrained=args.untrained)
+    harness.report(args, "main_gqa.py", preset, device, rows, headline(rows, steps), summary=summary,
+                   plot=lambda: plot_results(rows, preset, device), uptrain_steps=steps, lr=lr, checks=checks,
+                   saved=args.save)
 
 
 if __name__ == "__main__":

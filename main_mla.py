@@ -13,8 +13,9 @@ MHA gets it too, as the control).
 
 Checks first: absorbed attention equals recomputed keys and values; the full-rank latent
 min(2 * n_heads * d_head, d_model) reproduces the multi-head model's logits; cached decoding equals
-the full forward pass. With --plot the GQA/MQA points of the loss-against-cache chart are made here,
-by the GQA conversion and the same uptraining budget, so that both curves share one run.
+the full forward pass. The GQA/MQA points of the loss-against-cache chart (and of the JSON's gqa_points) are
+made here in every run, by the GQA conversion and the same uptraining budget, so that both curves share one
+run and --plot only draws.
 """
 
 import torch
@@ -26,6 +27,7 @@ from gptlite_kvcache import generate_kvcache
 from gptlite_mla import MultiHeadAttention_MLA, convert_mha_to_mla  # noqa: F401 (the post's listings, importable here)
 from gptlite_mla import max_latent, mla_from_mha
 from lib import corpus, harness, training
+from main_gqa import check_sizes  # the same models, windows and generation
 
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion against the multi-head model (SVD in float64)
 ABSORB_ATOL = 1e-4  # float32 logits, absorbed against recomputed keys and values
@@ -102,7 +104,7 @@ def gqa_points(base, data, preset, window, steps, lr, seed, device):
     return points
 
 
-def plot_loss_against_cache(rows, gqa, path, preset, device):
+def plot_loss_against_cache(rows, gqa, preset, device):
     fig, ax = harness.new_figure()
     mha = rows[0]
     mla = [r for r in rows if r.get("absorb") == "yes"]
@@ -125,10 +127,11 @@ def plot_loss_against_cache(rows, gqa, path, preset, device):
     ax.set(xlabel="cache per token and layer (float values)", ylabel="validation loss (nats/char)",
            title=f"loss against cache size (preset {preset.name}, {device})")
     ax.legend(fontsize=8)
-    harness.save_plot(fig, path)
+    return fig
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     parser.add_argument("--latents", type=harness.int_at_least(1), nargs="+", default=None,
                         help="latent sizes d_latent of the sweep (default: the full rank, 1/2 and 1/4 of it)")
@@ -148,12 +151,30 @@ def parse_args(argv):
             parser.error(f"--latents must lie between 1 and the full rank min(2 * n_heads * d_head, d_model) = {full}")
         if args.latents is not None and len(set(args.latents)) != len(args.latents):
             parser.error(f"--latents repeats a value: {args.latents}")
-    return args, parser, check_args
+        check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def headline(rows, gqa, steps):
+    """The README's one-glance row, from this run's rows and GQA points."""
+    mha, absorbed = rows[0], {r["d_latent"]: r for r in rows if r["absorb"] == "yes"}
+    recomputed = {r["d_latent"]: r for r in rows if r["absorb"] == "no"}
+    speed = [iu.ratio(recomputed[d]["tpot_ms"], r["tpot_ms"]) for d, r in absorbed.items()]
+    speed = [s for s in speed if s is not None]
+    figures = [f"MLA-{d} {r['loss_vs_mha']:+.4f} (cache {r['kv_vs_mha']})" for d, r in absorbed.items()]
+    figures += [f"{p['variant']} {p['val_loss'] - mha['val_loss']:+.4f} ({p['cache_per_token']} values)" for p in gqa]
+    return dict(technique=f"MLA, converted by SVD, {steps} uptraining steps",
+                figure="loss against MHA: " + ", ".join(figures)
+                       + (f"; TPOT recomputed / absorbed: {min(speed):.1f}x to {max(speed):.1f}x" if speed else ""))
+
+
+GQA_COLUMNS = [("variant", "variant", "{}"), ("cache_per_token", "cache_per_token", "{}"),
+               ("kv_cache_mb", "KV MB", "{:.3f}"), ("loss_converted", "loss_converted", "{:.4f}"),
+               ("val_loss", "val loss", "{:.4f}")]
 
 
 def main(argv=None):
-    args, parser, check_args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
     full = max_latent(preset.n_heads, preset.d_head, preset.d_model)
     latents = sorted(args.latents or default_latents(full), reverse=True)
@@ -162,25 +183,21 @@ def main(argv=None):
     window = corpus.sample_prompts(data, args.batch_size, preset.seqlen, seed=args.seed, device=device)  # full windows
     prompts = window[:, :args.prompt_len]
     rows, fns, checks = convert_and_uptrain(base, data, preset, latents, window, prompts, steps, lr, args.seed, device)
+    harness.require_checks(checks)  # before anything is timed or written
+    gqa = gqa_points(base, data, preset, window, steps, lr, args.seed, device)  # the plot's other curve, every run
     timings = iu.generation_figures(fns, args.n_tokens, args.batch_size, device, args.repeats)
     rows = [{**row, **timings[row["variant"]]} for row in rows]
 
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; cache at a full window of {preset.seqlen} tokens; full rank = {full}")
-    harness.print_table(rows, untrained=args.untrained)
     summary = ["val loss: after uptraining; loss_converted: right after conversion; cache_per_token: float values "
                "per token and layer. " + iu.peak_memory_label(device)]
     summary += [f"check {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
-    print("\n".join(summary))
-    harness.require_checks(checks)
-
-    gqa = gqa_points(base, data, preset, window, steps, lr, args.seed, device) if args.plot else []
-    if args.plot:
-        plot_loss_against_cache(rows, gqa, args.plot, preset, device)
-    if args.json:
-        harness.save_json(args.json, "main_mla.py", preset, device, rows, untrained=args.untrained, uptrain_steps=steps,
-                     lr=lr, full_rank=full, checks=checks, gqa_points=gqa, summary=summary)
+    tables = [harness.table("The plot's GQA and MQA points (same run, same uptraining):", gqa, GQA_COLUMNS)]
+    harness.report(args, "main_mla.py", preset, device, rows, headline(rows, gqa, steps), summary=summary,
+                   tables=tables, plot=lambda: plot_loss_against_cache(rows, gqa, preset, device),
+                   uptrain_steps=steps, lr=lr, full_rank=full, checks=checks, gqa_points=gqa)
 
 
 if __name__ == "__main__":

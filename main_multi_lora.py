@@ -22,6 +22,7 @@ Checks first: with every adapter in the batch, both ways give the tokens of each
 with its merged adapter, and the adapters taken out of peft give peft's logits (when trained in this run).
 """
 import copy
+import dataclasses
 
 import torch
 
@@ -41,37 +42,61 @@ def adapter_path(preset, speaker, rank, targets):
     return files.checkpoint_path(f"{preset.name}_lora_{slug(speaker)}_r{rank}_{code}")
 
 
-def train_adapter(base, slice_data, args, preset, speaker):
-    """Fine-tune a LoRA adapter on one speaker's turns with peft; the base weights stay frozen."""
-    model = peft_model(copy.deepcopy(base), args.rank, args.targets, args.alpha)
-    training.train_steps(model, slice_data, args.lora_steps, args.lora_batch_size, preset.seqlen, args.lr,
-                         seed=args.seed, eval_interval=args.lora_steps, desc=f"LoRA {speaker}",
-                         hint=divergence_hint(args.rank, args.alpha, args.lr))
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How each adapter is made: its shape (rank, alpha, target modules) and its fine-tuning."""
+    rank: int
+    alpha: float
+    targets: tuple
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int = 0
+
+
+def train_adapter(base, slice_data, recipe, seqlen, speaker):
+    """Fine-tune a LoRA adapter on one speaker's turns with peft; the base weights stay frozen.
+    Returns the adapter and the max |logit difference| between peft's model and the adapter merged."""
+    model = peft_model(copy.deepcopy(base), recipe.rank, list(recipe.targets), recipe.alpha)
+    training.train_steps(model, slice_data, recipe.steps, recipe.batch_size, seqlen, recipe.lr, seed=recipe.seed,
+                         eval_interval=recipe.steps, desc=f"LoRA {speaker}",
+                         hint=divergence_hint(recipe.rank, recipe.alpha, recipe.lr))
     adapter = adapter_from_peft(model, base)
-    x = corpus.get_batch(slice_data.val, 4, preset.seqlen, torch.Generator().manual_seed(0), base.fc_out.weight.device)[0]
+    x = corpus.get_batch(slice_data.val, 4, seqlen, torch.Generator().manual_seed(0), base.fc_out.weight.device)[0]
     with torch.no_grad():
         peft_diff = (training.logits_of(model(x)) - training.logits_of(merge_adapter(base, adapter)(x))).abs().max().item()
     return adapter, peft_diff
 
 
-def load_or_train(base, data, slice_data, args, preset, speaker, argv):
-    """The saved adapter when its file has this run's settings; else train one (and save it if trained base)."""
-    config = dict(rank=args.rank, alpha=args.alpha, targets=list(args.targets))
-    stamp = dict(speaker=speaker, steps=args.lora_steps, batch_size=args.lora_batch_size, lr=args.lr, seed=args.seed,
+def load_or_train(base, data, slice_data, recipe, preset, speaker, rebuild, save=True):
+    """The saved adapter when its file has this recipe; else train one (and save it when `save`: a trained
+    base). `rebuild`: the command named in the file. Returns the adapter and {source, peft_diff}."""
+    config = dict(rank=recipe.rank, alpha=recipe.alpha, targets=list(recipe.targets))
+    stamp = dict(speaker=speaker, steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr, seed=recipe.seed,
                  base_sha256=files.checkpoint_sha256(preset.gptlite_kwargs(), data.vocab, base.state_dict()))
-    path = None if args.untrained else adapter_path(preset, speaker, args.rank, args.targets)  # random base: not saved
+    path = adapter_path(preset, speaker, recipe.rank, recipe.targets) if save else None  # random base: not saved
     peft_diff = {}
 
     def train(adapter):
-        trained, peft_diff["max"] = train_adapter(base, slice_data, args, preset, speaker)
+        trained, peft_diff["max"] = train_adapter(base, slice_data, recipe, preset.seqlen, speaker)
         adapter.load_state_dict(trained.state_dict())
     with torch.random.fork_rng(devices=[]):  # an empty adapter to load into: it draws nothing from the seed
-        adapter = LoRAAdapter(base, args.rank, args.targets, args.alpha).to(base.fc_out.weight.device)
-    adapter, seconds = iu.cached_model(adapter, config, path, train, data.vocab,
-                                       files.rebuild_command("main_multi_lora.py", argv, preset), stamp=stamp)
+        adapter = LoRAAdapter(base, recipe.rank, list(recipe.targets), recipe.alpha).to(base.fc_out.weight.device)
+    adapter, seconds = iu.cached_model(adapter, config, path, train, data.vocab, rebuild, stamp=stamp)
     if seconds is None:
         return adapter, dict(source=f"loaded {path.name}", peft_diff=None)
     return adapter, dict(source=f"trained in {seconds:.0f} s", peft_diff=peft_diff["max"])
+
+
+def all_adapters(base, data, slices, recipe, preset, n_max, rebuild, save):
+    """One adapter per speaker (loaded or trained), then random ones up to n_max. Returns the adapters,
+    the trained ones' infos and the seconds spent loading or training."""
+    with iu.Timer() as t:
+        trained = [load_or_train(base, data, slices[s], recipe, preset, s, rebuild, save) for s in slices]
+    adapters = [a for a, _ in trained]
+    adapters += [random_adapter(base, recipe.rank, list(recipe.targets), recipe.alpha, seed=1000 + i)
+                 for i in range(len(adapters), n_max)]
+    return adapters, [i for _, i in trained], t.seconds
 
 
 def adapter_losses(base, data, adapters, slices, infos, n_batches):
@@ -125,7 +150,7 @@ def sweep(base, adapters, merged_kv, prompts, counts, n_tokens, seqlen, device, 
     return rows
 
 
-def plot_results(rows, losses, path, preset, device):
+def plot_results(rows, losses, preset, device):
     fig, (ax_tput, ax_mem, ax_loss) = harness.new_figure(3)
     for kind in ("merged", "batched"):
         points = [r for r in rows if r["variant"].startswith(kind)]
@@ -148,10 +173,11 @@ def plot_results(rows, losses, path, preset, device):
     ax_loss.set(ylabel="validation loss (nats/char), axis cut", ylim=(0.9 * min(figures), 1.02 * max(figures)),
                 title="each adapter on its speaker's held-out turns")
     ax_loss.legend(loc="lower right")
-    harness.save_plot(fig, path)
+    return fig
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--rank", type=harness.int_at_least(1), default=8, help="LoRA rank r of every adapter")
@@ -192,20 +218,63 @@ def parse_args(argv):
         if args.prompt_len + args.n_tokens > preset.seqlen:
             parser.error(f"--prompt-len + --n-tokens must be at most seqlen={preset.seqlen} (the checks compare "
                          "tokens within the window)")
-    return args, parser, check_args
+        check_sizes(parser, preset, args)
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def weights_bytes(preset):
+    """Bytes of one float32 GPTlite of `preset`: every block's attention and MLP, the embeddings and the head."""
+    d, inner = preset.d_model, preset.n_heads * preset.d_head
+    per_block = 4 * d * inner + 8 * d * d + 4 * inner + 9 * d
+    return 4 * (preset.n_layers * per_block + 2 * preset.vocab_size * d + preset.seqlen * d)
+
+
+def check_sizes(parser, preset, args):
+    """The size flags against the machine, before any work: the merged copies of the largest adapter count,
+    the mixed batch (its windows, caches and every request's gathered adapter matrices), the fine-tuning batch."""
+    k = max(max(args.adapter_counts), len(args.speakers))
+    harness.check_fits(parser, "--adapter-counts", (k + 1) * weights_bytes(preset), f"{k} merged copies of the model")
+    gathered = preset.n_layers * len(args.targets) * args.rank * 5 * preset.d_model * 4  # A[ids] and B[ids]: <= 5 d
+    harness.check_fits(parser, "--batch-size", training.activation_bytes(preset, args.batch_size) + args.batch_size
+                       * gathered, f"a mixed batch of {args.batch_size} requests")
+    harness.check_fits(parser, "--lora-batch-size", training.activation_bytes(preset, args.lora_batch_size, backward=True),
+                       f"a fine-tuning batch of {args.lora_batch_size} windows")
+
+
+def headline(rows, losses, rank):
+    """The README's one-glance row, from this run's rows and adapter losses."""
+    k = max(row["n_adapters"] for row in rows)
+    merged, batched = (next(r for r in rows if r["variant"].startswith(kind) and r["n_adapters"] == k)
+                       for kind in ("merged", "batched"))
+    ratio = iu.ratio(batched["tokens_per_s"], merged["tokens_per_s"])
+    gains = ", ".join(f"{a['speaker']} {a['gain']:+.3f}" for a in losses)
+    return dict(technique=f"multi-LoRA serving, {merged['batch_size']} requests over {k} adapters of rank {rank}",
+                figure=f"one batched forward (BGMV) {'-' if ratio is None else f'{ratio:.1f}x'} the throughput of {k} "
+                       f"merged copies, weights {batched['weights_mb']:.1f} MB against {merged['weights_mb']:.1f} MB; "
+                       f"loss on its speaker's held-out turns, base minus adapter (above 0: it learned): {gains} "
+                       "nats/char; the same tokens")
+
+
+def summary_lines(losses, checks, n_trained, n_max):
+    random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
+                   if n_max > n_trained else "")
+    return [f"adapters 1-{n_trained}: LoRA trained on one speaker each{random_note}. weights_mb: parameters and "
+            "buffers held; vs_merged: batched / merged throughput at the same number of adapters",
+            *(f"{r['speaker']}: validation loss on its held-out turns {r['val_loss']:.4f} with its adapter, "
+              f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training "
+              f"split {r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})"
+              for r in losses),
+            "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
 
 
 def main(argv=None):
-    args, parser, check_args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     slices = {s: speaker_data(data, s, preset.seqlen) for s in args.speakers}  # bad names fail before training
     base = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
-    with iu.Timer() as t_adapters:
-        trained = [load_or_train(base, data, slices[s], args, preset, s, argv) for s in args.speakers]
-    adapters, infos = [a for a, _ in trained], [i for _, i in trained]
-    n_max = max(max(args.adapter_counts), len(adapters))
-    adapters += [random_adapter(base, args.rank, args.targets, args.alpha, seed=1000 + i)
-                 for i in range(len(adapters), n_max)]
+    recipe = Recipe(args.rank, args.alpha, tuple(args.targets), args.lora_steps, args.lora_batch_size, args.lr, args.seed)
+    n_max = max(max(args.adapter_counts), len(args.speakers))
+    adapters, infos, adapters_seconds = all_adapters(base, data, slices, recipe, preset, n_max, files.rebuild_command(
+        "main_multi_lora.py", argv, preset), save=not args.untrained)
     losses = adapter_losses(base, data, adapters, slices, infos, args.val_batches)
     merged_kv = [merge_adapter(base, a) for a in adapters]  # GPTlite_KVCache copies
 
@@ -214,37 +283,23 @@ def main(argv=None):
     peft_diffs = [i["peft_diff"] for i in infos if i["peft_diff"] is not None]
     if peft_diffs:
         checks["adapters out of peft give peft's logits (atol 1e-4)"] = max(peft_diffs) <= 1e-4
+    harness.require_checks(checks)  # before anything is timed or written
     rows = sweep(base, adapters, merged_kv, prompts, sorted(set(args.adapter_counts)), args.n_tokens,
                  preset.seqlen, device, args.repeats)
 
-    n_trained = len(args.speakers)
     print(f"\nbatch {args.batch_size} requests (request i uses adapter i mod N), prompts of {args.prompt_len}, "
           f"{args.n_tokens} new tokens, median of {args.repeats} runs; LoRA rank {args.rank}, alpha {args.alpha:g}, "
           f"targets {' '.join(args.targets)}")
-    harness.print_table(rows, untrained=args.untrained)
-    print(f"\neach adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out "
-          "turns: the last 20% of the speaker's lines in tiny Shakespeare's validation split; "
-          "train_split: the base's own data")
     loss_rows = [harness.make_row(r["speaker"], **{k: v for k, v in r.items() if k != "speaker"}) for r in losses]
-    harness.print_table(loss_rows, untrained=args.untrained)
-    random_note = (f"; adapters {n_trained + 1}-{n_max}: random (same rank and targets; only their cost is measured)"
-                   if n_max > n_trained else "")
-    summary = [f"adapters 1-{n_trained}: LoRA trained on one speaker each{random_note}. weights_mb: parameters and "
-               "buffers held; vs_merged: batched / merged throughput at the same number of adapters",
-               *(f"{r['speaker']}: validation loss on its held-out turns {r['val_loss']:.4f} with its adapter, "
-                 f"{r['base_val_loss']:.4f} base ({r['gain']:+.4f} nats/char better); on the base model's training "
-                 f"split {r['train_split_loss']:.4f} against {r['train_split_base']:.4f} ({r['adapter']})"
-                 for r in losses),
-               "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
-    print("\n".join(summary))
-    harness.require_checks(checks)
-    if args.plot:
-        plot_results(rows, losses, args.plot, preset, device)
-    if args.json:
-        harness.save_json(args.json, "main_multi_lora.py", preset, device, rows, untrained=args.untrained,
-                     rank=args.rank, alpha=args.alpha, targets=args.targets, lora_steps=args.lora_steps,
-                     n_trained=n_trained, adapter_losses=losses, checks=checks,
-                     adapters_seconds=t_adapters.seconds, summary=summary)
+    loss_title = (f"each adapter ({args.lora_steps} steps of batch {args.lora_batch_size}) on its speaker's held-out "
+                  "turns: the last 20% of the speaker's lines in tiny Shakespeare's validation split; "
+                  "train_split: the base's own data")
+    harness.report(args, "main_multi_lora.py", preset, device, rows, headline(rows, losses, args.rank),
+                   summary=summary_lines(losses, checks, len(args.speakers), n_max),
+                   tables=[harness.table(loss_title, loss_rows)], plot=lambda: plot_results(rows, losses, preset, device),
+                   rank=args.rank, alpha=args.alpha, targets=args.targets, lora_steps=args.lora_steps,
+                   n_trained=len(args.speakers), adapter_losses=losses, checks=checks,
+                   adapters_seconds=adapters_seconds)
 
 
 if __name__ == "__main__":

@@ -200,6 +200,23 @@ def from_scratch(config, data, distill, iters, seed, device):
     return (model, *distill_curve(distill, model, data, iters, "random init, distilling"))
 
 
+def prune_three_ways(teacher, data, distill, importance, x, keep, stages, n_heads, n_neurons, iters, draws, seed):
+    """(1) one shot, checked first against the original with the removed heads and neurons zeroed on x,
+    then distilled; (2) iteratively, the same total steps; (3) the baseline: the same architecture from random
+    weights. Returns {name: student}, {name: loss right after pruning}, {name: curve}, the losses of `draws`
+    random prunings and the one-shot check's max |logit difference|."""
+    one_shot, error = prune_one_shot(teacher, *importance(teacher), n_heads, n_neurons, x)
+    pruned_loss, curves = {}, {}
+    pruned_loss["one-shot"], curves["one-shot"] = distill_curve(distill, one_shot, data, iters, "one-shot, distilling")
+    random_losses = random_pruning_losses(teacher, data, n_heads, n_neurons, draws, seed)
+    iterative, pruned_loss["iterative"], curves["iterative"] = iterative_pruning(
+        teacher, data, importance, distill, keep, stages, n_heads, n_neurons, iters)
+    scratch, pruned_loss["random init"], curves["random init"] = from_scratch(
+        one_shot.config, data, distill, iters, seed, x.device)
+    students = {"one-shot": one_shot, "iterative": iterative, "random init": scratch}
+    return students, pruned_loss, curves, random_losses, error
+
+
 NAMES = {"original": "original", "one-shot": "one-shot + distill", "iterative": "iterative + distill",
          "random init": "random init + distill"}
 
@@ -213,14 +230,36 @@ def table_rows(figures, val_losses, pruned_loss, random_losses):
     return rows
 
 
-def plot_curves(curves, original_loss, path, title):
+def summary_lines(device, error, pruned_loss, random_losses, val_losses, best):
+    wins = val_losses[best] < val_losses["random init"]
+    return [iu.peak_memory_label(device),
+            f"pruned logits vs original with those heads and neurons zeroed: max |diff| {error:.1e}",
+            f"right after pruning: by importance {pruned_loss['one-shot']:.4f}, random {min(random_losses):.4f} .. "
+            f"{max(random_losses):.4f}; after distillation: best pruned ({best}) {val_losses[best]:.4f} vs random "
+            f"init {val_losses['random init']:.4f} ({'pruning wins' if wins else 'pruning does NOT win'})"]
+
+
+def headline(rows, config, iters):
+    """The README's one-glance row, from this run's rows."""
+    original, one_shot, iterative, scratch, random_prune = (next(r for r in rows if r["variant"].startswith(v)) for v in
+                                                            ("original", "one-shot", "iterative", "random init",
+                                                             "random prune"))
+    return dict(technique=f"pruning to {config.n_heads} heads and {config.d_ff} neurons a block, {iters} "
+                          "distillation steps",
+                figure=f"val loss one-shot {one_shot['val_loss']:.3f}, iterative {iterative['val_loss']:.3f}, the same "
+                       f"architecture from random weights {scratch['val_loss']:.3f} (original {original['val_loss']:.3f}); "
+                       f"right after pruning {one_shot['val_pruned']:.2f} by importance against "
+                       f"{random_prune['val_pruned']:.2f} at random")
+
+
+def plot_curves(curves, original_loss, title):
     fig, ax = harness.new_figure()
     for name, curve in curves.items():
         ax.plot(*zip(*curve), marker="o", markersize=3, label=NAMES[name])
     ax.axhline(original_loss, color="gray", linestyle="--", label="original")
     ax.set(xlabel="distillation steps", ylabel="validation loss (nats/char)", title=title)
     ax.legend()
-    harness.save_plot(fig, path)
+    return fig
 
 
 def n_stages(keep, step):
@@ -228,6 +267,7 @@ def n_stages(keep, step):
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--iters", type=harness.int_at_least(1), default=None,
@@ -255,12 +295,16 @@ def parse_args(argv):
         stages = n_stages(args.keep, args.step)
         if args.iters is not None and args.iters < stages:
             parser.error(f"--iters must be at least the {stages} iterative steps (one distillation step each)")
-    return args, parser, check_args
+        batch_size = args.batch_size or preset.batch_size  # a distillation step: the student and the teacher's labels
+        harness.check_fits(parser, "--batch-size", training.activation_bytes(preset, batch_size, backward=True)
+                           + training.activation_bytes(preset, batch_size), f"a training batch of {batch_size} windows")
+        harness.check_fits(parser, "--n-tokens", 3 * (args.prompt_len + args.n_tokens) * 8,
+                           f"{args.n_tokens} new tokens after a prompt")
+    return (args, *harness.setup(args, parser, check_args))
 
 
 def main(argv=None):
-    args, parser, check_args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     teacher = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     teacher.requires_grad_(False)
     iters = args.iters if args.iters is not None else DEFAULT_ITERS.get(preset.name, 2000)
@@ -275,55 +319,34 @@ def main(argv=None):
                                    seqlen=preset.seqlen, seed=args.seed)
     print(f"pruning every block from {H} heads and {d_ff} neurons to {n_heads} and {n_neurons}; "
           f"{iters} distillation steps of batch {batch_size} per variant, lr {lr}, T={args.temperature}, alpha={args.alpha}")
-
-    # (1) one shot, checked first against the original with the removed heads and neurons zeroed
     x, _ = corpus.get_batch(data.val, 4, preset.seqlen, torch.Generator().manual_seed(args.seed), device)
-    one_shot, error = prune_one_shot(teacher, *importance(teacher), n_heads, n_neurons, x)
-    pruned_loss, curves = {}, {}
-    pruned_loss["one-shot"], curves["one-shot"] = distill_curve(distill, one_shot, data, iters, "one-shot, distilling")
-    random_losses = random_pruning_losses(teacher, data, n_heads, n_neurons, args.random_draws, args.seed)
-    # (2) iteratively, the same total steps; (3) the baseline: the same architecture from random weights
-    iterative, pruned_loss["iterative"], curves["iterative"] = iterative_pruning(
-        teacher, data, importance, distill, args.keep, n_stages(args.keep, args.step), n_heads, n_neurons, iters)
-    config = one_shot.config  # the pruned n_heads and d_ff
-    scratch, pruned_loss["random init"], curves["random init"] = from_scratch(config, data, distill, iters,
-                                                                             args.seed, device)
-
-    students = {"one-shot": one_shot, "iterative": iterative, "random init": scratch}
+    students, pruned_loss, curves, random_losses, error = prune_three_ways(
+        teacher, data, distill, importance, x, args.keep, n_stages(args.keep, args.step), n_heads, n_neurons, iters,
+        args.random_draws, args.seed)
+    config = students["one-shot"].config  # the pruned n_heads and d_ff
     val_losses = {"original": training.validation_loss(teacher, data)} | {n: training.validation_loss(m, data)
-                                                                     for n, m in students.items()}
+                                                                          for n, m in students.items()}
     best = min(("one-shot", "iterative"), key=val_losses.get)
-    figures, failures = iu.measure_models({"original": teacher} | students, data, args.n_tokens, args.prompt_len, 1,
-                                          device, args.repeats, args.seed)
-    rows = table_rows(figures, val_losses, pruned_loss, random_losses)
+    models = {"original": teacher} | students
+    prompts = corpus.sample_prompts(data, 1, args.prompt_len, seed=args.seed, device=device)
+    cached, checks = iu.kv_cache_checks(models, prompts, args.n_tokens)
+    harness.require_checks(checks)  # before anything is timed or written
+    rows = table_rows(iu.measure_models(models, cached, prompts, args.n_tokens, device, args.repeats), val_losses,
+                      pruned_loss, random_losses)
     print(f"\nkept {n_heads}/{H} heads and {n_neurons}/{d_ff} neurons per block; {iters} distillation steps each; "
           f"generation: batch 1, {args.prompt_len}-token prompts, {args.n_tokens} new tokens with the KV cache, median of {args.repeats}")
     print("val_pruned: right after pruning (iterative: after its last step; random init: before training); "
           "val loss: after distillation")
-    harness.print_table(rows, untrained=args.untrained)
-    wins = val_losses[best] < val_losses["random init"]
-    summary = [iu.peak_memory_label(device),
-               f"pruned logits vs original with those heads and neurons zeroed: max |diff| {error:.1e}",
-               f"right after pruning: by importance {pruned_loss['one-shot']:.4f}, random {min(random_losses):.4f} .. "
-               f"{max(random_losses):.4f}; after distillation: best pruned ({best}) {val_losses[best]:.4f} vs random "
-               f"init {val_losses['random init']:.4f} ({'pruning wins' if wins else 'pruning does NOT win'})"]
-    print("\n".join(summary))
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: the KV-cache tokens differ from the model's own; "
-                              "this is a bug (nothing written)")
-
     if args.save:
-        iu.save_and_reload(args.save, students[best], config.to_dict(), data.vocab,
-                           files.rebuild_command("main_pruning.py", argv, preset), teacher=preset.name, variant=best,
-                           iters=iters, val_loss=val_losses[best])
-    if args.plot:
-        plot_curves(curves, val_losses["original"], args.plot,
-                    f"pruning {preset.name} to {args.keep:g} of the heads and neurons ({device})")
-    if args.json:
-        harness.save_json(args.json, "main_pruning.py", preset, device, rows, untrained=args.untrained,
-                          config=config.to_dict(), iters=iters, lr=lr, temperature=args.temperature, alpha=args.alpha,
-                          curves=curves, random_prune_losses=random_losses, max_abs_diff_vs_zeroed=error, best=best,
-                          saved=args.save, summary=summary)
+        training.save_and_reload(args.save, students[best], config.to_dict(), data.vocab,
+                                 files.rebuild_command("main_pruning.py", argv, preset), teacher=preset.name,
+                                 variant=best, iters=iters, val_loss=val_losses[best])
+    title = f"pruning {preset.name} to {args.keep:g} of the heads and neurons ({device})"
+    harness.report(args, "main_pruning.py", preset, device, rows, headline(rows, config, iters),
+                   summary=summary_lines(device, error, pruned_loss, random_losses, val_losses, best),
+                   plot=lambda: plot_curves(curves, val_losses["original"], title), config=config.to_dict(), iters=iters,
+                   lr=lr, temperature=args.temperature, alpha=args.alpha, curves=curves, random_prune_losses=random_losses,
+                   max_abs_diff_vs_zeroed=error, best=best, saved=args.save, checks=checks)
 
 
 if __name__ == "__main__":

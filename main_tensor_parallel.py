@@ -27,13 +27,12 @@ of prompts, TPOT at batch 1 and at the large batch, and the all-reduce share of 
 dist.all_reduce, waiting for the slower rank included, over the step's time) with its bytes per token.
 """
 import contextlib
+import functools
 import io
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from lib import distributed
 import inference_utils as iu
@@ -41,7 +40,7 @@ from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, decode_n_tokens, gen
 from gptlite_tp import RowParallelLinear, shard_state_dict  # noqa: F401 (the post's listing)
 from gptlite_tp import check_tp_size, tensor_parallel_model
 from lib.errors import GPTliteError
-from lib import corpus, files, harness
+from lib import corpus, files, harness, training
 
 ATOL = 1e-5  # float32 logits: the N partial sums are added in another order
 WORKLOADS = ("prefill", "b1", "bB")  # a batch of prompts; one decode step at batch 1; at the large batch
@@ -87,18 +86,20 @@ def run_workloads(model, prompts, n_tokens, seqlen, device):
 
 
 def measure_variants(variants, rank, prompts, n_tokens, seqlen, device, repeats):
-    """Round-robin over {name: (model, ranks, threads)}, a warm-up round first: {name: [samples]}."""
+    """Round-robin over {name: (model, ranks, threads)} (iu.time_round_robin: a warm-up round first): every
+    rank starts each variant together (the others wait in a barrier); a rank in the variant runs the
+    workloads, timed inside (run_workloads). Returns {name: [samples of this rank]}, the warm-up left out."""
     samples = {name: [] for name in variants}
-    for i in tqdm(range(repeats + 1), desc="timing (round 0: warm-up)", disable=rank != 0, dynamic_ncols=True):
-        for name, (model, ranks, threads) in variants.items():
-            dist.barrier()  # every rank starts each variant together; the others wait here
-            if rank < ranks:
-                torch.set_num_threads(threads)
-                result = run_workloads(model, prompts, n_tokens, seqlen, device)
-                if i > 0:
-                    samples[name].append(result)
+
+    def run(name, model, ranks, threads):
+        dist.barrier()
+        if rank < ranks:
+            torch.set_num_threads(threads)
+            samples[name].append(run_workloads(model, prompts, n_tokens, seqlen, device))
+    iu.time_round_robin({name: functools.partial(run, name, *v) for name, v in variants.items()}, device, warmup=1,
+                        repeats=repeats)
     dist.barrier()
-    return samples
+    return {name: runs[1:] for name, runs in samples.items()}
 
 
 def figures(samples):
@@ -106,8 +107,8 @@ def figures(samples):
     row = {}
     for workload in WORKLOADS:
         runs = [s[workload] for s in samples]
-        row[workload] = statistics.median(s[0] for s in runs) * 1e3
-        row[f"ar_{workload}"] = statistics.median(s[1] / s[0] for s in runs) * 100
+        row[workload] = iu.median([s[0] for s in runs]) * 1e3
+        row[f"ar_{workload}"] = iu.median([s[1] / s[0] for s in runs]) * 100
     _, _, nbytes, tokens = samples[-1]["bB"]
     row["ar_kb"] = nbytes / tokens / 1024  # the same for every workload: 2 outputs of d_model floats per block
     return row
@@ -136,7 +137,7 @@ def speedups(rows):
             f"{iu.ratio(r['tpot_bB_ms'], tp['tpot_bB_ms']):.2f}x (above 1: the split is faster)" for r in rows[:-1]]
 
 
-def plot_results(rows, path, preset, device):
+def plot_results(rows, preset, device):
     fig, ax = harness.new_figure()
     labels = ["prefill", "TPOT batch 1", f"TPOT batch {rows[0]['batch']}"]
     keys = [("prefill_ms", "ar_prefill"), ("tpot_b1_ms", "ar_b1"), ("tpot_bB_ms", "ar_bB")]
@@ -154,10 +155,11 @@ def plot_results(rows, path, preset, device):
     ax.set(ylabel=f"time / time of {rows[0]['variant']}",
            title=f"tensor parallelism, preset {preset.name} ({device}, {'gloo' if device.type == 'cpu' else 'NCCL'})")
     ax.legend(fontsize=8)
-    harness.save_plot(fig, path)
+    return fig
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--ranks", type=harness.int_at_least(1), default=1,
@@ -171,7 +173,7 @@ def parse_args(argv):
     add("--timeout", type=harness.int_at_least(1), default=60,
         help="seconds a rank waits for a peer in a collective before it stops with an error")
     args = parser.parse_args(argv)
-    world = distributed.world_size() if distributed.launched() else args.ranks
+    world = args.world = distributed.world_size() if distributed.launched() else args.ranks
     if distributed.launched() and args.ranks not in (1, world):
         parser.error(f"--ranks {args.ranks} differs from torchrun's {world} processes; give one or the other")
 
@@ -187,15 +189,40 @@ def parse_args(argv):
         if world > 1 and not args.untrained and not files.checkpoint_path(preset.name).exists():
             parser.error(f"no checkpoint {files.checkpoint_path(preset.name)}: train it once first with "
                          f"{files.gptlite_command(preset.name)} (N ranks would each train one)")
-    return args, parser, check_args, world
+        check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens, world)
+    launcher = world > 1 and not distributed.launched()  # it checks every flag, then rank 0 says it again
+    quiet = launcher or distributed.launched() and distributed.rank() != 0  # rank 0 speaks
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        return (args, *harness.setup(args, parser, check_args))
+
+
+def check_sizes(parser, preset, batch_size, prompt_len, n_tokens, world):
+    """The large batch through the model and its KV cache (a full window) on each of the `world` processes of
+    this machine, and the tokens each decodes."""
+    harness.check_fits(parser, "--batch-size", world * training.activation_bytes(preset, batch_size),
+                       f"a batch of {batch_size} prompts and its KV cache on {world} process(es)")
+    harness.check_fits(parser, "--n-tokens", world * 3 * batch_size * (prompt_len + n_tokens) * 8,
+                       f"{n_tokens} decoded tokens for each of {batch_size} prompts on {world} process(es)")
+
+
+def headline(rows, world, backend, threads, diff):
+    """The README's one-glance row, from this run's rows (the first: one rank of --threads threads)."""
+    one, tp = rows[0], rows[-1]
+    ratio = lambda key: "-" if iu.ratio(one[key], tp[key]) is None else f"{iu.ratio(one[key], tp[key]):.2f}x"  # noqa
+    technique = f"tensor parallelism, {world} {backend} ranks of {threads} thread(s)"
+    if world == 1:
+        return dict(technique=technique, figure="one process: launch N ranks with --ranks N to compare")
+    share = "-" if tp["ar_b1"] is None else f"{tp['ar_b1']:.0f}"
+    return dict(technique=technique,
+                figure=f"TP against {one['variant']}: prefill {ratio('prefill_ms')}, TPOT at batch 1 {ratio('tpot_b1_ms')}, "
+                       f"at batch {tp['batch']} {ratio('tpot_bB_ms')} (above 1: faster); all-reduce {share}% of a "
+                       f"batch-1 step; max |logits diff| {diff:.0e}, identical tokens")
 
 
 def main(argv=None):
-    args, parser, check_args, world = parse_args(argv)
-    if world > 1 and not distributed.launched():  # every flag checked here, then torchrun starts the N ranks
-        with contextlib.redirect_stdout(io.StringIO()):  # rank 0 says it again
-            harness.setup(args, parser, check_args)
-        rc = distributed.launch(__file__, sys.argv[1:] if argv is None else argv, world, timeout_s=None,
+    args, preset, device, data = parse_args(argv)
+    if args.world > 1 and not distributed.launched():  # every flag checked here, then torchrun starts the N ranks
+        rc = distributed.launch(__file__, sys.argv[1:] if argv is None else argv, args.world, timeout_s=None,
                                 capture=False).returncode
         if rc != 0:
             raise GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
@@ -203,7 +230,6 @@ def main(argv=None):
         return
     rank0 = not distributed.launched() or distributed.rank() == 0
     with contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO()):  # rank 0 speaks
-        preset, device, data = harness.setup(args, parser, check_args)
         d = distributed.init(device, args.timeout)
         torch.set_num_threads(args.threads)
         with distributed.collective_errors(args.timeout, memory_hint="lower --batch-size (its KV cache and "
@@ -219,12 +245,9 @@ def experiment(args, preset, d, data):
     prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=d.device)
     diff, same = agree(*tp_matches_single(tp, single, window, window[:, :args.prompt_len], args.n_tokens,
                                           preset.seqlen), d.device)
-    checks = [f"{d.world_size} rank(s) against the single-process model: max |logits diff| {diff:.1e} "
-              f"(atol {ATOL:g}, float32); greedy cached tokens identical: {'yes' if same else 'NO'}"]
-    print(checks[0])
-    if diff > ATOL or not same:
-        raise GPTliteError(f"the tensor-parallel model differs from the single-process model ({checks[0]}); "
-                              "this is a bug (nothing timed or written)")
+    check = (f"{d.world_size} rank(s) against the single-process model: max |logits diff| {diff:.1e} "
+             f"(atol {ATOL:g}, float32); greedy cached tokens identical: {'yes' if same else 'NO'}")
+    harness.require_checks({check: diff <= ATOL and same})  # on every rank: nothing timed or written
 
     T, N = args.threads, d.world_size
     variants = {f"1 rank x {T} thread{'s' * (T > 1)}": (single, 1, T)}
@@ -238,19 +261,14 @@ def experiment(args, preset, d, data):
     print(f"\n{N} rank(s), backend {d.backend}; prefill: {args.batch_size} prompts of {args.prompt_len}; TPOT: one "
           f"decode step, median over {args.repeats} rounds of {args.n_tokens} steps, at batch 1 and at batch "
           f"{args.batch_size} (bB); weights and KV cache per rank (the KV cache at a full window of {preset.seqlen})")
-    harness.print_table(rows, untrained=args.untrained)
-    summary = checks + [
-        "figures of rank 0. ar_*: the share (%) of each step's time spent in dist.all_reduce (waiting for the "
-        "slower rank included); ar_KB_per_token: the all-reduce payload per token (2 per block, d_model floats each)"]
+    summary = [check,
+               "figures of rank 0. ar_*: the share (%) of each step's time spent in dist.all_reduce (waiting for the "
+               "slower rank included); ar_KB_per_token: the all-reduce payload per token (2 per block, d_model floats each)"]
     summary += speedups(rows) if N > 1 else [
         "one process: launch N ranks with `torchrun --nproc-per-node N main_tensor_parallel.py` (or --ranks N)"]
-    print("\n".join(summary[1:]))
-    if args.plot:
-        plot_results(rows, args.plot, preset, d.device)
-    if args.json:
-        harness.save_json(args.json, "main_tensor_parallel.py", preset, d.device, rows, untrained=args.untrained,
-                     world_size=N, backend=d.backend, threads=T, logits_max_diff=diff, tokens_identical=same,
-                     summary=summary)
+    harness.report(args, "main_tensor_parallel.py", preset, d.device, rows, headline(rows, N, d.backend, T, diff),
+                   summary=summary, plot=lambda: plot_results(rows, preset, d.device), world_size=N,
+                   backend=d.backend, threads=T, logits_max_diff=diff, tokens_identical=same)
 
 
 if __name__ == "__main__":

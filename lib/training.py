@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lib.corpus import get_batch
-from lib.errors import TrainingDiverged
+from lib.errors import GPTliteError, TrainingDiverged
+from lib.files import atomic_file, load_checkpoint, save_checkpoint
 
 
 def logits_of(output):
@@ -105,6 +106,19 @@ def uptrain(model, data, preset, steps, lr, seed, name):
     return before, validation_loss(model, data)
 
 
+def activation_bytes(preset, n_sequences, length=None, backward=False):
+    """Estimated peak bytes (float32) of one forward pass of `n_sequences` sequences of `length` tokens
+    (default: the window) through a model of `preset`: the logits, the keys and values of every layer, and
+    one layer's queries, attention scores and d_model-wide activations (every layer's, and the logits'
+    gradient, when `backward`: training keeps them for the gradients), and the token ids. What a size flag
+    (a batch, a count of windows) makes a script allocate, estimated before any work for harness.check_fits."""
+    length = preset.seqlen if length is None else length
+    layer = preset.n_heads * (preset.d_head + 2 * length) + 12 * preset.d_model
+    per_token = 4 * ((2 if backward else 1) * preset.vocab_size + 2 * preset.n_layers * preset.n_heads * preset.d_head
+                     + (preset.n_layers if backward else 1) * layer) + 8
+    return n_sequences * length * per_token
+
+
 @torch.inference_mode()
 def cached_matches_full(model, window, atol=1e-4):
     """Prefill half of `window` [B, S], decode the rest one token at a time: the logits of the full pass
@@ -129,4 +143,21 @@ def teacher_loss_fn(teacher, loss):
             logits_teacher = logits_of(teacher(x))  # [B, S, vocab]
         return loss(logits_of(student(x)), logits_teacher, targets=y)
     return loss_fn
+
+
+def save_and_reload(path, model, config, vocab, rebuild, **meta):
+    """Save `model` with its config, load it back as type(model)(**config) and check that the logits are
+    identical; only then does the file replace `path` (an error leaves whatever was there)."""
+    device = next(model.parameters()).device
+    x = torch.randint(config["vocab_size"], (2, config["seqlen"]), device=device)
+    with atomic_file(path) as tmp:
+        save_checkpoint(tmp, model, config, vocab, rebuild=rebuild, **meta)
+        ckpt = load_checkpoint(tmp, vocab=vocab, rebuild=rebuild)
+        reloaded = type(model)(**ckpt["config"]).to(device).eval()
+        reloaded.load_state_dict(ckpt["state_dict"])
+        with torch.no_grad():
+            if not torch.equal(logits_of(model.eval()(x)), logits_of(reloaded(x))):
+                raise GPTliteError(f"{path}: the reloaded {type(model).__name__} gives other logits than the "
+                                   "saved model; this is a bug (nothing saved)")
+    print(f"saved {path}; reloaded as {type(model).__name__}(**config): identical logits")
 

@@ -114,6 +114,9 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
             assert r["speedup"] == pytest.approx(teacher_tpot / r["tpot_ms"], abs=0.006)
     assert rows["soft labels"]["tpot_ms"] is None and rows["soft labels"]["speedup"] is None
     assert all(len(h) == 2 for h in result["histories"].values())  # evaluated after each of the 2 steps
+    assert result["headline"]["technique"] == (f"distillation, {student_params / 1e6:.2f}M student of the "
+                                               f"{rows['teacher']['params'] / 1e6:.2f}M model, 2 steps")
+    assert result["headline"]["figure"].startswith(f"val loss soft + hard {rows['soft + hard (alpha=0.5)']['val_loss']:.3f}")
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     ckpt = files.load_checkpoint(out_ckpt, vocab=real_data.vocab)
@@ -146,3 +149,22 @@ def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main_distillation.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens"])
+def test_a_huge_size_flag_is_a_parser_error_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_distillation.main(["--untrained", "--device", "cpu", "--preset", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2 and f"error: {flag}: " in capsys.readouterr().err
+
+
+def test_kv_cache_tokens_that_differ_stop_the_run_before_any_timing(real_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(training, "validation_loss", quick_validation_loss)
+    monkeypatch.setattr(iu, "generate_kvcache", lambda model, prompts, n, seqlen: torch.zeros(  # a broken cache
+        prompts.shape[0], prompts.shape[1] + n, dtype=torch.long))
+    monkeypatch.setattr(iu, "compare_generation", lambda *a, **k: pytest.fail("timed despite a failed check"))
+    with pytest.raises(GPTliteError, match="checks failed: teacher: KV-cache tokens = the model's own"):
+        main_distillation.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "1", "--prompt-len", "8",
+                                "--n-tokens", "2", "--repeats", "1", "--batch-size", "2", "--json", str(tmp_path / "d.json")])
+    assert list(tmp_path.iterdir()) == []

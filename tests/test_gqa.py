@@ -262,3 +262,29 @@ def test_main_gqa_bad_flags_are_clear_errors_before_any_work(flags, capsys, monk
         main_gqa.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens"])
+def test_main_gqa_a_huge_size_flag_is_a_parser_error_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_gqa.main(["--untrained", "--device", "cpu", "--preset", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2 and f"error: {flag}: " in capsys.readouterr().err
+
+
+def test_main_gqa_a_failed_check_stops_before_any_timing(real_data, tmp_path, monkeypatch, one_batch_validation):
+    monkeypatch.setattr(training, "cached_matches_full", lambda model, window, atol=1e-4: False)
+    monkeypatch.setattr(iu, "compare_generation", lambda *a, **k: pytest.fail("timed despite a failed check"))
+    with pytest.raises(GPTliteError, match="checks failed: MHA; GQA-2; MQA; this is a bug"):
+        main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+                       "--n-tokens", "2", "--repeats", "1", "--json", str(tmp_path / "g.json")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_main_gqa_json_has_its_headline(real_data, tmp_path, one_batch_validation):
+    out = tmp_path / "g.json"
+    main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+                   "--n-tokens", "2", "--repeats", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["headline"]["technique"] == "GQA and MQA, converted from MHA, 1 uptraining steps"
+    assert result["headline"]["figure"].startswith("KV cache / MHA's: GQA-2 0.5, MQA 0.25; TPOT at batch 2: MHA ")

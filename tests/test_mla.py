@@ -168,3 +168,29 @@ def test_main_mla_bad_flags_are_clear_errors_before_any_work(flags, capsys, monk
         main_mla.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens"])
+def test_main_mla_a_huge_size_flag_is_a_parser_error_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_mla.main(["--untrained", "--device", "cpu", "--preset", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2 and f"error: {flag}: " in capsys.readouterr().err
+
+
+def test_main_mla_json_is_the_same_with_and_without_plot(real_data, tmp_path, one_batch_validation):
+    """--plot only draws: the GQA points, the tables and the headline come from every run."""
+    flags = ["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
+             "--n-tokens", "2", "--repeats", "1", "--latents", "32"]
+    main_mla.main(flags + ["--json", str(tmp_path / "a.json")])
+    main_mla.main(flags + ["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert set(a) == set(b) and a["gqa_points"] == b["gqa_points"] and a["checks"] == b["checks"]
+    assert [g["variant"] for g in a["gqa_points"]] == ["GQA-2", "MQA"]
+    untimed = lambda rows: [{k: v for k, v in r.items() if k not in TIMED} for r in rows]  # noqa: E731
+    assert untimed(a["rows"]) == untimed(b["rows"])
+    assert a["tables"][0]["rows"] == a["gqa_points"] and a["headline"]["technique"] == b["headline"]["technique"]
+    assert "GQA-2" in a["headline"]["figure"] and "MQA" in a["headline"]["figure"]
+
+
+TIMED = ("ttft_ms", "tpot_ms", "tokens_per_s", "peak_mem_mb")

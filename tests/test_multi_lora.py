@@ -1,7 +1,7 @@
 """gptlite_lora.py and main_multi_lora.py: peft's adapters taken out exactly, the BGMV layer against the
 merged weight row by row, batched and merged serving against each request generated alone, bad input."""
-import argparse
 import copy
+import dataclasses
 import json
 import re
 
@@ -13,7 +13,7 @@ import inference_utils as iu
 import main_multi_lora
 from conftest import TINY
 from gptlite import GPTlite
-from lib import files, presets, training
+from lib import files, harness, presets, training
 from lib.errors import GPTliteError, TrainingDiverged
 
 SEQLEN = TINY["seqlen"]
@@ -223,8 +223,7 @@ def test_a_diverged_lora_training_names_alpha_and_the_learning_rate(real_data, t
     base, _ = tiny_models
     preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=2, lr=1e-3, iters=1)
     slice_data = gl.speaker_data(real_data, "TRANIO", SEQLEN)
-    args = argparse.Namespace(rank=2, alpha=4.0, targets=["query_proj"], lora_steps=2, lora_batch_size=2, lr=1e-2,
-                              seed=0, untrained=True)
+    recipe = main_multi_lora.Recipe(rank=2, alpha=4.0, targets=("query_proj",), steps=2, batch_size=2, lr=1e-2)
     train_steps = training.train_steps
     nan_loss = lambda model, x, y: training.cross_entropy_loss(model, x, y) * float("nan")  # noqa: E731
     monkeypatch.setattr(training, "train_steps", lambda *a, **k: train_steps(*a, **{**k, "loss_fn": nan_loss}))
@@ -232,7 +231,7 @@ def test_a_diverged_lora_training_names_alpha_and_the_learning_rate(real_data, t
                                                   r"alpha 4, so a scale alpha / r = 2, and peak learning rate 0.01\); "
                                                   r"rerun with a lower alpha or a lower learning rate. "
                                                   r"Nothing was saved"):
-        main_multi_lora.train_adapter(base, slice_data, args, preset, "TRANIO")
+        main_multi_lora.train_adapter(base, slice_data, recipe, preset.seqlen, "TRANIO")
     with pytest.raises(TrainingDiverged, match=r"at step 1 of 2 \(peak learning rate 0.01\); rerun with a lower "
                                                   r"learning rate. Nothing was saved"):  # elsewhere: as it was
         training.train_steps(base, slice_data, 2, 2, SEQLEN, 1e-2, loss_fn=nan_loss)
@@ -285,17 +284,18 @@ def test_adapters_are_saved_with_a_checksum_and_reused(tiny_models, monkeypatch,
     monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path)
     preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=4, lr=1e-3, iters=1)
     slice_data = gl.speaker_data(real_data, "TRANIO", SEQLEN)
-    args = argparse.Namespace(rank=2, alpha=4.0, targets=["query_proj", "value_proj"], lora_steps=3,
-                              lora_batch_size=2, lr=1e-2, seed=0, untrained=False)
-    adapter, info = main_multi_lora.load_or_train(base, real_data, slice_data, args, preset, "TRANIO", [])
+    recipe = main_multi_lora.Recipe(rank=2, alpha=4.0, targets=("query_proj", "value_proj"), steps=3, batch_size=2,
+                                    lr=1e-2, seed=0)
+    rebuild = "python main_multi_lora.py"
+    adapter, info = main_multi_lora.load_or_train(base, real_data, slice_data, recipe, preset, "TRANIO", rebuild)
     assert info["source"].startswith("trained") and info["peft_diff"] <= 1e-4
     path = tmp_path / "tiny_lora_tranio_r2_qv.pt"
     assert path.exists() and files.load_checkpoint(path)["meta"]["stamp"]["steps"] == 3
-    again, info = main_multi_lora.load_or_train(base, real_data, slice_data, args, preset, "TRANIO", [])
+    again, info = main_multi_lora.load_or_train(base, real_data, slice_data, recipe, preset, "TRANIO", rebuild)
     assert info["source"] == "loaded tiny_lora_tranio_r2_qv.pt"
     assert all(torch.equal(a, b) for a, b in zip(adapter.state_dict().values(), again.state_dict().values()))
-    args.lora_steps = 4  # other settings: a new adapter, not the old file
-    _, info = main_multi_lora.load_or_train(base, real_data, slice_data, args, preset, "TRANIO", [])
+    recipe = dataclasses.replace(recipe, steps=4)  # other settings: a new adapter, not the old file
+    _, info = main_multi_lora.load_or_train(base, real_data, slice_data, recipe, preset, "TRANIO", rebuild)
     assert info["source"].startswith("trained") and files.load_checkpoint(path)["meta"]["stamp"]["steps"] == 4
 
 
@@ -329,3 +329,30 @@ def test_a_failed_check_writes_nothing(real_data, tmp_path, monkeypatch):
     with pytest.raises(GPTliteError, match="checks failed: batched \\(BGMV\\) = each request alone"):
         main_multi_lora.main(SMOKE + ["--json", str(out)])
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--lora-batch-size"])
+def test_a_huge_size_flag_is_a_parser_error_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_multi_lora.main(["--untrained", "--device", "cpu", "--preset", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2 and f"error: {flag}: " in capsys.readouterr().err
+
+
+def test_many_adapters_are_bounded_by_their_merged_copies(capsys, monkeypatch):
+    """--adapter-counts within a huge --batch-size: the merged copies of the model are what overflow."""
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness, "available_memory", lambda: 2**30)  # a machine of 1 GiB free
+    with pytest.raises(SystemExit) as e:
+        main_multi_lora.main(["--untrained", "--device", "cpu", "--preset", "cpu", "--batch-size", "2000",
+                              "--adapter-counts", "1000"])
+    assert e.value.code == 2 and "error: --adapter-counts: 1000 merged copies" in capsys.readouterr().err
+
+
+def test_the_json_has_the_headline_and_the_loss_table(real_data, tmp_path):
+    out = tmp_path / "lora.json"
+    main_multi_lora.main(SMOKE + ["--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["headline"]["technique"] == "multi-LoRA serving, 3 requests over 3 adapters of rank 8"
+    assert "TRANIO" in result["headline"]["figure"] and "merged copies" in result["headline"]["figure"]
+    assert [r["variant"] for r in result["tables"][0]["rows"]] == ["TRANIO"]

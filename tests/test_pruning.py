@@ -219,6 +219,9 @@ def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
     for name in ("one-shot + distill", "iterative + distill", "random init + distill"):
         assert rows[name]["params"] == small and rows[name]["kv_cache_mb"] == rows["original"]["kv_cache_mb"] / 2
         assert rows[name]["val_pruned"] > 0 and rows[name]["val_loss"] > 0 and positive_or_none(rows[name]["tpot_ms"])
+    assert result["headline"]["technique"] == f"pruning to {p.n_heads // 2} heads and {2 * p.d_model} neurons a block, 5 distillation steps"
+    assert result["headline"]["figure"].startswith(f"val loss one-shot {rows['one-shot + distill']['val_loss']:.3f}, ")
+    assert f"{rows['random prune (mean of 2)']['val_pruned']:.2f} at random" in result["headline"]["figure"]
     curve = result["curves"]["iterative"]
     assert [c[0] for c in curve] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5]  # 5 prune + distill steps of 1 step each
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -247,12 +250,12 @@ def test_save_and_reload_replaces_nothing_when_the_reloaded_model_differs(tiny_m
         ckpt = load_checkpoint(*args, **kwargs)
         ckpt["state_dict"]["fc_out.bias"] += 1
         return ckpt
-    monkeypatch.setattr(iu, "load_checkpoint", corrupted)
+    monkeypatch.setattr(training, "load_checkpoint", corrupted)  # save_and_reload lives in lib/training.py
     with pytest.raises(GPTliteError, match="other logits"):
-        iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
+        training.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
     assert path.read_bytes() == b"the previous file" and list(tmp_path.iterdir()) == [path]
-    monkeypatch.setattr(iu, "load_checkpoint", load_checkpoint)
-    iu.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
+    monkeypatch.setattr(training, "load_checkpoint", load_checkpoint)
+    training.save_and_reload(path, base, TINY, "abc", "python main_pruning.py --save model.pt")
     assert torch.equal(files.load_checkpoint(path)["state_dict"]["fc_out.bias"], base.fc_out.bias)
 
 
@@ -279,3 +282,11 @@ def test_good_flags_at_the_edges_pass_the_checks(flags, monkeypatch):
     monkeypatch.setattr(harness, "load_data", load_data)
     with pytest.raises(DataLoaded):  # the flags passed: the script went on to load the data
         main_pruning.main(["--untrained", "--device", "cpu", "--preset", "cpu"] + flags)
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens"])
+def test_a_huge_size_flag_is_a_parser_error_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_pruning.main(["--untrained", "--device", "cpu", "--preset", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2 and f"error: {flag}: " in capsys.readouterr().err

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lib import distributed
+from lib import distributed, harness
 import inference_utils as iu
 import main_tensor_parallel
 from conftest import TINY
@@ -254,3 +254,17 @@ def test_the_script_on_two_ranks_checks_then_writes_its_rows(real_data, tmp_path
     assert tp["weight_mb"] < single["weight_mb"] and tp["kv_mb"] * 2 == single["kv_mb"]
     # the payload per token: 2 all-reduces per block of d_model float32 values, 4 blocks in the cpu preset
     assert tp["ar_KB_per_token"] == 2 * 4 * 128 * 4 / 1024
+    assert saved["headline"]["technique"] == "tensor parallelism, 2 gloo ranks of 1 thread(s)"
+    assert saved["headline"]["figure"].startswith("TP against 1 rank x 1 thread: prefill ")
+    assert saved["headline"]["figure"].endswith(f"max |logits diff| {saved['logits_max_diff']:.0e}, identical tokens")
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens"])
+def test_a_huge_size_flag_is_a_parser_error_before_any_work(flag, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_tensor_parallel.main(["--untrained", "--device", "cpu", "--preset", "cpu", "--ranks", "2", flag,
+                                   "1000000000000"])
+    assert e.value.code == 2 and f"error: {flag}: " in capsys.readouterr().err
