@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lib import attention_benchmark as ab, harness
 import inference_utils as iu
 import main_flash_attention as mfa
+from lib.errors import GPTliteError
 from conftest import TINY
 from gptlite import MultiHeadAttention, generate, scaled_dot_product_attention
 from gptlite_kvcache import StaticKVCache, generate_kvcache, scaled_dot_product_attention_kv_cache
@@ -197,3 +198,38 @@ def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
         mfa.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+QUICK = ["--untrained", "--preset", "cpu", "--device", "cpu", "--prompt-len", "8", "--n-tokens", "4", "--batch-size", "2",
+         "--repeats", "1", "--val-batches", "1", "--contexts", "32", "64", "--bench-repeats", "1", "--no-flex"]
+
+
+def test_failed_checks_stop_before_anything_is_timed_or_written(real_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(mfa, "ATOL", -1.0)  # no variant can pass: every check fails
+    monkeypatch.setattr(iu, "compare_generation", lambda *a, **k: pytest.fail("timed before the checks"))
+    out_json, out_png = tmp_path / "fa.json", tmp_path / "fa.png"
+    with pytest.raises(GPTliteError, match="checks failed: naive: outputs, tokens and loss equal naive"):
+        mfa.main(QUICK + ["--json", str(out_json), "--plot", str(out_png)])
+    assert not out_json.exists() and not out_png.exists()
+
+
+def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, tmp_path):
+    results = []
+    for plot in ([], ["--plot", str(tmp_path / "fa.png")]):
+        mfa.main(QUICK + ["--json", str(tmp_path / "fa.json")] + plot)
+        results.append(json.loads((tmp_path / "fa.json").read_text()))
+    assert results[0].keys() == results[1].keys()
+    assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
+    assert results[0]["headline"]["technique"] == "SDPA vs naive attention, 64 tokens"
+    assert "less peak attention memory" in results[0]["headline"]["figure"]
+    table = results[0]["tables"][0]
+    assert table["title"].startswith("The attention functions alone") and [r["context"] for r in table["rows"]] == [32, 64]
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens", "--contexts", "--bench-batch", "--window"])
+def test_huge_sizes_are_parser_errors_naming_the_flag_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        mfa.main(["--untrained", "--device", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2
+    assert f"error: {flag}: " in capsys.readouterr().err
