@@ -28,7 +28,6 @@ from lib import attention_benchmark as ab
 import inference_utils as iu
 from gptlite import MultiHeadAttention
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
-from lib.errors import GPTliteError
 from lib import corpus, harness, training
 
 ATOL = 1e-4  # float32 logits of a trained model (units to tens), summed in another order by the fused kernels
@@ -96,15 +95,12 @@ def sdpa_kernels_run(fn):
     return ", ".join(sorted({e.name[len(prefix):] for e in prof.events() if e.name.startswith(prefix)})) or "none"
 
 
-def check_args(args, parser, seqlen):
-    if args.contexts != sorted(set(args.contexts)):
-        parser.error(f"--contexts must be increasing without repeats, got {args.contexts}")
-
-
-def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, val_batches):
-    """One row for naive attention, one for SDPA as dispatched, one per forced backend (or why it cannot run).
-    Each is checked against naive attention first: logits without a cache (is_causal) and with one and
-    several new tokens (the shifted mask), greedy tokens, validation loss."""
+def check_variants(naive, sdpa, data, prompts, n_tokens, seqlen, device, val_batches):
+    """Every variant against naive attention, before anything is timed: logits without a cache (is_causal)
+    and with one and several new tokens (the shifted mask), greedy tokens, validation loss. Variants:
+    naive attention, SDPA as dispatched, one per forced backend (or why it cannot run).
+    Returns {name: (model, backend)} of the variants that run, {name: row of its check figures} (every
+    variant, in order) and the KV cache's MB (the same for every variant)."""
     variants = {"naive": (naive, None), "SDPA (default dispatch)": (sdpa, None)}
     variants.update({f"SDPA forced {b.name}": (sdpa, b) for b in BACKENDS})
     x = corpus.get_batch(data.val, prompts.shape[0], seqlen, torch.Generator().manual_seed(1), device)[0]  # [B, seqlen]
@@ -122,8 +118,8 @@ def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, va
         ref_full, ref_chunked = naive(x)[0], chunked_logits(naive)
         ref_tokens = generate_kvcache(naive, prompts, n_tokens, seqlen)
         held = ref_tokens[:, :-1][:, -seqlen:]  # prompt + new tokens but the last: what the cache holds at the end
-        kv_mb = iu.kv_cache_bytes(naive(held)[1]) / 2**20  # the same cache for every variant
-    fns, found, rows = {}, {}, {}
+        kv_mb = iu.kv_cache_bytes(naive(held)[1]) / 2**20
+    runs, found = {}, {}
     for name, (model, backend) in variants.items():
         with forced(backend), warnings.catch_warnings(), torch.inference_mode():
             warnings.simplefilter("ignore")  # a forced kernel that cannot run warns why, then raises
@@ -133,60 +129,84 @@ def model_rows(naive, sdpa, data, prompts, n_tokens, seqlen, device, repeats, va
                 kernel = sdpa_kernels_run(lambda: model(x))
             except RuntimeError:
                 dtype = str(naive.fc_out.weight.dtype).removeprefix("torch.")  # CUDA's flash takes no float32
-                rows[name] = harness.make_row(name, kernel=f"cannot run on {device.type} in {dtype}")
+                found[name] = dict(kernel=f"cannot run on {device.type} in {dtype}")
                 continue
             try:  # some kernels take no explicit mask (CUDA's flash): generation never needs one, chunks do
                 diff = max(diff, (chunked_logits(model) - ref_chunked).abs().max().item())
             except RuntimeError:
                 kernel += " (no explicit mask)"
-        found[name] = (diff, same, kernel)
-
-        def fn(n, model=model, backend=backend):
-            with forced(backend):
-                return generate_kvcache(model, prompts, n, seqlen)
-        fns[name] = fn
-    timings = iu.compare_generation(fns, n_tokens, prompts.shape[0], device, warmup=1, repeats=repeats)
-    for name, fn in fns.items():
-        model, backend = variants[name]
         with forced(backend):
             val_loss = training.validation_loss(model, data, n_batches=val_batches)
-        diff, same, kernel = found[name]
-        same_loss = name == "naive" or abs(val_loss - rows["naive"]["val_loss"]) <= ATOL
-        rows[name] = harness.make_row(name, **timings[name], peak_mem_mb=iu.peak_memory_mb(lambda: fn(n_tokens), device),
-                                 kv_cache_mb=kv_mb, val_loss=val_loss, kernel=kernel, max_logit_diff=f"{diff:.1e}",
-                                 same_tokens="yes" if same else "NO",
-                                 ok="yes" if diff <= ATOL and same and same_loss else "NO")
-    return [rows[name] for name in variants]
+        same_loss = name == "naive" or abs(val_loss - found["naive"]["val_loss"]) <= ATOL
+        found[name] = dict(kv_cache_mb=kv_mb, val_loss=val_loss, kernel=kernel, max_logit_diff=f"{diff:.1e}",
+                           same_tokens="yes" if same else "NO", ok="yes" if diff <= ATOL and same and same_loss else "NO")
+        runs[name] = (model, backend)
+    return runs, found
 
 
-def long_context(args, n_heads, d_head, device):
-    """The attention functions alone on random Q, K, V: naive, SDPA and (where it runs) FlexAttention
-    with a sliding window, checked first against naive attention with the same mask."""
-    variants = {"naive": ab.naive_attention, "SDPA": ab.sdpa_attention}
-    flex_diff, flex_note = None, "left out (--no-flex)"
-    if not args.no_flex:
-        flex, flex_diff, flex_note = ab.make_flex(args.window, device)
-        if flex is not None:
-            variants[f"flex window {args.window}"] = flex
-            print(f"FlexAttention, sliding window {args.window}, against naive attention with the same mask: "
-                  f"max |diff| {flex_diff:.1e}")
-    if flex_note:
-        print(f"FlexAttention: {flex_note}")
+def model_rows(runs, found, prompts, n_tokens, seqlen, device, repeats):
+    """TTFT, TPOT, throughput and peak memory of generation with each variant that runs (round-robin), with
+    its check figures; the variants that cannot run keep the reason."""
+    def generation(model, backend):
+        def fn(n):
+            with forced(backend):
+                return generate_kvcache(model, prompts, n, seqlen)
+        return fn
+    fns = {name: generation(*run) for name, run in runs.items()}
+    timings = iu.compare_generation(fns, n_tokens, prompts.shape[0], device, warmup=1, repeats=repeats)
+    return [harness.make_row(name, **timings[name], peak_mem_mb=iu.peak_memory_mb(lambda: fns[name](n_tokens), device),
+                             **figures) if name in fns else harness.make_row(name, **figures)
+            for name, figures in found.items()]
+
+
+def long_context(variants, contexts, bench_batch, n_heads, d_head, device, repeats, seed):
+    """The attention functions alone on random Q, K, V: naive, SDPA and (where it runs, checked already)
+    FlexAttention with a sliding window. Returns benchmark()'s results and the summary line."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bench = ab.benchmark(variants, args.contexts, args.bench_batch, n_heads, d_head, device,
-                             repeats=args.bench_repeats, seed=args.seed)
-    print(f"\nlong-context attention alone: batch {args.bench_batch}, {n_heads} heads of {d_head}, causal "
-          f"(flex: sliding-window causal), median of {args.bench_repeats} runs, peak MB above the inputs")
-    print(ab.format_results(bench))
+        bench = ab.benchmark(variants, contexts, bench_batch, n_heads, d_head, device, repeats=repeats, seed=seed)
     naive_ms, naive_mb, sdpa_ms, sdpa_mb = (bench[k][f][-1] for k in ("naive", "SDPA") for f in ("ms", "peak_mb"))
-    summary = (f"at n={args.contexts[-1]}: SDPA's peak attention memory is {naive_mb / max(sdpa_mb, 1e-6):.0f}x "
+    summary = (f"at n={contexts[-1]}: SDPA's peak attention memory is {naive_mb / max(sdpa_mb, 1e-6):.0f}x "
                f"below naive's, and SDPA is {naive_ms / sdpa_ms:.1f}x faster")
-    print(summary)
-    return bench, flex_diff, flex_note, summary
+    return bench, summary
 
 
-def main(argv=None):
+def long_context_table(bench):
+    """The benchmark as rows of the report's extra table: each variant's time and peak memory per context,
+    and naive / SDPA ratios."""
+    names = list(bench)
+    columns = ([("context", "context", "{:,}")] + [(f"{n} ms", f"{n} ms", "{:.2f}") for n in names]
+               + [(f"{n} MB", f"{n} MB", "{:.2f}") for n in names]
+               + [("time", "naive/SDPA time", "{:.1f}x"), ("memory", "naive/SDPA memory", "{:.1f}x")])
+    rows = []
+    for i, n in enumerate(bench["naive"]["context"]):
+        row = {"context": n, **{f"{k} ms": bench[k]["ms"][i] for k in names},
+               **{f"{k} MB": bench[k]["peak_mb"][i] for k in names}}
+        row.update(time=iu.ratio(row["naive ms"], row["SDPA ms"]), memory=iu.ratio(row["naive MB"], row["SDPA MB"]))
+        rows.append(row)
+    return harness.table("The attention functions alone on random inputs (peak MB above the inputs):", rows, columns)
+
+
+def times(a, b, fmt="{:.1f}x"):
+    """a / b as a ratio, '-' where either could not be measured."""
+    r = iu.ratio(a, b)
+    return "-" if r is None else fmt.format(r)
+
+
+def headline(rows, bench):
+    """The README's row: SDPA against naive attention at the longest context, and on the model."""
+    naive, sdpa = bench["naive"], bench["SDPA"]
+    by_name = {r["variant"]: r for r in rows}
+    on_model = ["-" if by_name[v]["ttft_ms"] is None else f"{by_name[v]['ttft_ms']:.1f}"
+                for v in ("SDPA (default dispatch)", "naive")]
+    return dict(technique=f"SDPA vs naive attention, {naive['context'][-1]:,} tokens",
+                figure=f"{times(naive['peak_mb'][-1], sdpa['peak_mb'][-1], '{:.0f}x')} less peak attention memory, "
+                       f"{times(naive['ms'][-1], sdpa['ms'][-1])} faster; on the model TTFT {on_model[0]} against "
+                       f"{on_model[1]} ms, the same tokens")
+
+
+def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     at_least = harness.int_at_least
     parser.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt length in characters")
@@ -205,33 +225,59 @@ def main(argv=None):
     parser.add_argument("--window", type=at_least(1), default=256, help="FlexAttention's sliding window, in tokens")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (it compiles a kernel first)")
     args = parser.parse_args(argv)
-    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
 
+    def check_args(preset):
+        if args.contexts != sorted(set(args.contexts)):
+            parser.error(f"--contexts must be increasing without repeats, got {args.contexts}")
+        H, D, length = preset.n_heads, preset.d_head, args.prompt_len + args.n_tokens
+        harness.check_fits(parser, "--batch-size", ab.generation_bytes(preset, max(args.batch_size, 32), preset.seqlen),
+                           "the model checks and generation of the prompts")  # the loss runs batches of 32
+        harness.check_fits(parser, "--n-tokens", ab.generation_bytes(preset, args.batch_size, length),
+                           "the generated tokens")
+        harness.check_fits(parser, "--contexts", ab.benchmark_bytes(args.contexts, 1, H, D),
+                           "naive attention at the longest context")
+        harness.check_fits(parser, "--bench-batch", ab.benchmark_bytes(args.contexts, args.bench_batch, H, D),
+                           "naive attention on the benchmark's batch")
+        if not args.no_flex:
+            harness.check_fits(parser, "--window", ab.benchmark_bytes([2 * args.window + 3], 1, 2, 16),
+                               "checking FlexAttention against naive attention over two windows")
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def main(argv=None):
+    args, preset, device, data = parse_args(argv)
     naive = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     sdpa = use_sdpa(copy.deepcopy(naive))
     prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
-    rows = model_rows(naive, sdpa, data, prompts, args.n_tokens, preset.seqlen, device, args.repeats,
-                      args.val_batches)
-    print(f"\n{args.batch_size} prompts of {args.prompt_len} tokens, {args.n_tokens} new tokens each, "
-          f"median of {args.repeats} runs; TTFT is the prefill of the prompts and their first token")
-    harness.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
+    runs, found = check_variants(naive, sdpa, data, prompts, args.n_tokens, preset.seqlen, device, args.val_batches)
+    variants = {"naive": ab.naive_attention, "SDPA": ab.sdpa_attention}
+    flex, flex_diff, flex_note = (None, None, "left out (--no-flex)") if args.no_flex else ab.make_flex(args.window, device)
+    if flex is not None:
+        variants[f"flex window {args.window}"] = flex
+    checks = {f"{name}: outputs, tokens and loss equal naive attention's (logits atol {ATOL})": f.get("ok") != "NO"
+              for name, f in found.items()}
+    if flex_diff is not None:
+        checks[f"flex attention (max |diff| {flex_diff:.1e}, atol {FLEX_ATOL})"] = flex_diff <= FLEX_ATOL
+    harness.require_checks(checks)
 
+    rows = model_rows(runs, found, prompts, args.n_tokens, preset.seqlen, device, args.repeats)
     H, D = preset.n_heads, preset.d_head
-    bench, flex_diff, flex_note, summary = long_context(args, H, D, device)
-    if args.plot:
-        ab.plot(bench, args.plot, f"attention, {H} heads of {D}, batch {args.bench_batch} ({device})")
-    if args.json:
-        harness.save_json(args.json, "main_flash_attention.py", preset, device, rows, untrained=args.untrained,
-                     prompt_len=args.prompt_len, n_tokens=args.n_tokens, batch_size=args.batch_size,
-                     long_context=bench, bench_batch=args.bench_batch, window=args.window,
-                     flex_max_diff=flex_diff, flex_note=flex_note, summary=[iu.peak_memory_label(device), summary])
-    failures = [r["variant"] for r in rows if r.get("ok") == "NO"]
-    if flex_diff is not None and flex_diff > FLEX_ATOL:
-        failures.append(f"flex attention (max |diff| {flex_diff:.1e} > {FLEX_ATOL})")
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: outputs, tokens or loss differ from naive attention "
-                              f"(logits atol {ATOL}); this is a bug")
+    bench, bench_line = long_context(variants, args.contexts, args.bench_batch, H, D, device, args.bench_repeats,
+                                     args.seed)
+    flex_line = (f"FlexAttention: {flex_note}" if flex_note else f"FlexAttention, sliding window {args.window}, "
+                 f"against naive attention with the same mask: max |diff| {flex_diff:.1e}")
+    summary = [f"{args.batch_size} prompts of {args.prompt_len} tokens, {args.n_tokens} new tokens each, median of "
+               f"{args.repeats} runs; TTFT is the prefill of the prompts and their first token",
+               iu.peak_memory_label(device),
+               f"long-context attention alone: batch {args.bench_batch}, {H} heads of {D}, causal (flex: "
+               f"sliding-window causal), median of {args.bench_repeats} runs, peak MB above the inputs",
+               flex_line, bench_line]
+    title = f"attention, {H} heads of {D}, batch {args.bench_batch} ({device})"
+    harness.report(args, "main_flash_attention.py", preset, device, rows, headline(rows, bench), summary=summary,
+                   tables=[long_context_table(bench)], plot=lambda: ab.plot(bench, title),
+                   prompt_len=args.prompt_len, n_tokens=args.n_tokens, batch_size=args.batch_size, long_context=bench,
+                   bench_batch=args.bench_batch, window=args.window, flex_max_diff=flex_diff, flex_note=flex_note,
+                   checks=checks)
 
 
 if __name__ == "__main__":

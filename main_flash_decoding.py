@@ -22,13 +22,11 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as reference_attention
-from lib.errors import GPTliteError
-from lib import corpus, harness
+from lib import attention_benchmark as ab, corpus, harness
 
 ATOL = 1e-5  # float32 attention outputs on random unit inputs
 LOGITS_ATOL = 1e-4  # float32 logits of a trained model (units to tens)
@@ -108,33 +106,12 @@ def check_model(model, splits, prompts, n_tokens, seqlen):
     return found
 
 
-def benchmark(variants, contexts, batch_size, n_heads, d_head, device, repeats, seed):
-    """Median ms of each variant (q, k, v) -> out on random [B, H, n, D] caches; variants round-robin."""
-    generator = torch.Generator(device).manual_seed(seed)
-    ms = {name: [] for name in variants}
-    for n in tqdm(contexts, desc="contexts", unit="context", leave=False):
-        k, v = torch.randn(2, batch_size, n_heads, n, d_head, device=device, generator=generator)
-        q = torch.randn(batch_size, n_heads, 1, d_head, device=device, generator=generator)
-        times = {name: [] for name in variants}
-        with torch.inference_mode():
-            for fn in variants.values():  # warm-up
-                fn(q, k, v)
-            for _ in range(repeats):
-                for name, fn in variants.items():
-                    with iu.Timer(device) as t:
-                        fn(q, k, v)
-                    times[name].append(t.seconds * 1e3)
-        for name in variants:
-            ms[name].append(sorted(times[name])[len(times[name]) // 2])
-        del q, k, v
-    return ms
-
-
 def context_label(n):
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def plot(bench, contexts, splits, path, title):
+def plot(bench, contexts, splits, title):
+    """Decode attention time against context length, and each n_splits' time over SDPA's: the figure."""
     fig, (ax_ctx, ax_split) = harness.new_figure(2)
     for name, ms in bench.items():
         ax_ctx.plot(contexts, ms, marker="o", label=name, linestyle="--" if name in ("naive", "SDPA") else "-")
@@ -150,10 +127,10 @@ def plot(bench, contexts, splits, path, title):
     for ax in (ax_ctx, ax_split):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    harness.save_plot(fig, path)
+    return fig
 
 
-def check_args(args, parser):
+def check_args(args, parser, preset):
     for flag in ("contexts", "splits"):
         values = getattr(args, flag)
         if values != sorted(set(values)):
@@ -161,9 +138,21 @@ def check_args(args, parser):
     if args.splits[-1] > args.contexts[0]:
         parser.error(f"--splits: {args.splits[-1]} chunks do not fit the shortest context {args.contexts[0]}; "
                      "give split counts at most the first --contexts value")
+    H, D = preset.n_heads, preset.d_head
+    harness.check_fits(parser, "--contexts", ab.benchmark_bytes(args.contexts, 1, H, D, n_queries=1),
+                       "a cache of the longest context")
+    harness.check_fits(parser, "--bench-batch", ab.benchmark_bytes(args.contexts, args.bench_batch, H, D, n_queries=1),
+                       "the benchmark's caches")
+    harness.check_fits(parser, "--splits", ab.benchmark_bytes([max(211, 2 * args.splits[-1] + 1)], 2, H, D, n_queries=1),
+                       "the exactness check's inputs")
+    harness.check_fits(parser, "--batch-size", ab.generation_bytes(preset, args.batch_size, preset.seqlen),
+                       "the model check's prompts")
+    harness.check_fits(parser, "--n-tokens", ab.generation_bytes(preset, args.batch_size, args.prompt_len + args.n_tokens),
+                       "the model check's generated tokens")
 
 
-def main(argv=None):
+def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     at_least = harness.int_at_least
     parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[1024, 4096, 16384, 65536],
@@ -178,37 +167,25 @@ def main(argv=None):
     parser.add_argument("--n-tokens", type=at_least(2), default=64, help="new tokens per prompt in the model check")
     parser.add_argument("--batch-size", type=at_least(1), default=4, help="prompts of the model check")
     args = parser.parse_args(argv)
-    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser))
-    H, D = preset.n_heads, preset.d_head
+    return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
 
-    diff, n_keys = check_exactness(args.splits, H, D, device, args.seed)
-    model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
-    prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
-    found = check_model(model, args.splits, prompts, args.n_tokens, preset.seqlen)
-    print(f"flash_decoding against the reference attention, n_splits {args.splits}, {n_keys} keys: "
-          f"max |diff| {diff:.1e}")
-    bad = [f"n_splits={n}" for n, (d, same, _) in found.items() if d > LOGITS_ATOL or not same]
-    if diff > ATOL or bad:
-        raise GPTliteError(f"flash_decoding differs from the reference attention (max |diff| {diff:.1e}, atol "
-                              f"{ATOL}; model: {', '.join(bad) or 'same'}); this is a bug")
 
-    variants = {"naive": reference_attention, "SDPA": sdpa_decode}
-    variants.update({f"flash n_splits={n}": (lambda q, k, v, n=n: flash_decoding(q, k, v, n)) for n in args.splits})
-    bench = benchmark(variants, args.contexts, args.bench_batch, H, D, device, args.repeats, args.seed)
+def benchmark_rows(bench, contexts, bench_batch, n_heads, found):
+    """One row per variant: its median ms at each context, and (flash decoding) its split count, units of work
+    and model check."""
     rows = []
     for name, ms in bench.items():
         n = int(name.split("=")[1]) if name.startswith("flash") else None
-        row = harness.make_row(name, n_splits=n, work_units=args.bench_batch * H * (n or 1))
-        row.update({f"{context_label(c)} ms": t for c, t in zip(args.contexts, ms)})
+        row = harness.make_row(name, n_splits=n, work_units=bench_batch * n_heads * (n or 1))
+        row.update({f"{context_label(c)} ms": t for c, t in zip(contexts, ms)})
         if n is not None:
             d, same, _ = found[n]
             row.update(max_logit_diff=f"{d:.1e}", same_tokens="yes" if same else "NO")
         rows.append(row)
-    print(f"\ndecode attention alone: one query over a cache of n tokens, batch {args.bench_batch}, {H} heads of {D}, "
-          f"median of {args.repeats}; work_units = batch x heads x n_splits (an H100 has {H100_SMS} SMs); "
-          f"model check: {args.batch_size} prompts of {args.prompt_len}, {args.n_tokens} greedy tokens")
-    harness.print_table(rows, untrained=args.untrained)
-    last = context_label(args.contexts[-1])
+    return rows
+
+
+def summary_lines(rows, diff, last, device, bench_batch, n_heads):
     flash = [r for r in rows if r["n_splits"]]
     best = min(flash, key=lambda r: r[f"{last} ms"])
     sdpa, one = rows[1][f"{last} ms"], flash[0][f"{last} ms"]
@@ -219,17 +196,55 @@ def main(argv=None):
                f"({best[f'{last} ms'] / sdpa:.2f}x SDPA's time)"]
     if device.type == "cpu":
         gain = "no gain" if best is flash[0] else f"{one / best[f'{last} ms']:.2f}x against n_splits=1"
-        summary.append(f"splitting on CPU: {gain}; {args.bench_batch * H} (batch x heads) units and the products "
+        summary.append(f"splitting on CPU: {gain}; {bench_batch * n_heads} (batch x heads) units and the products "
                        f"inside them already feed {torch.get_num_threads()} thread(s); the Flash-Decoding gain "
                        "(up to 8x) is a GPU effect: SMs idle at small batch")
-    print("\n".join(summary))
-    if args.plot:
-        plot(bench, args.contexts, args.splits, args.plot,
-             f"decode attention, batch {args.bench_batch}, {H} heads of {D} ({device.type})")
-    if args.json:
-        harness.save_json(args.json, "main_flash_decoding.py", preset, device, rows, untrained=args.untrained,
-                     contexts=args.contexts, splits=args.splits, bench_batch=args.bench_batch, max_diff=diff,
-                     threads=torch.get_num_threads(), summary=summary)
+    return summary
+
+
+def headline(rows, diff, last, bench_batch, device):
+    """The README's row: each end of the split counts against SDPA at the longest context."""
+    flash = [row for row in rows if row["n_splits"]]
+    best = min(flash, key=lambda row: row[f"{last} ms"])
+    sdpa = next(row for row in rows if row["variant"] == "SDPA")[f"{last} ms"]
+    ratio = lambda row: "-" if iu.ratio(row[f"{last} ms"], sdpa) is None else f"{iu.ratio(row[f'{last} ms'], sdpa):.2f}x"  # noqa: E731
+    return dict(technique=f"FlashDecoding (split-KV), one query over {last} tokens, batch {bench_batch}",
+                figure="time / SDPA's: " + ", ".join(f"n_splits={row['n_splits']} {ratio(row)}" for row in (flash[0], flash[-1]))
+                + f" (best n_splits={best['n_splits']}) on {device}; exact (max |diff| {diff:.0e}), the same tokens "
+                "for every n_splits")
+
+
+def main(argv=None):
+    args, preset, device, data = parse_args(argv)
+    H, D = preset.n_heads, preset.d_head
+    diff, n_keys = check_exactness(args.splits, H, D, device, args.seed)
+    model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
+    prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
+    found = check_model(model, args.splits, prompts, args.n_tokens, preset.seqlen)
+    print(f"flash_decoding against the reference attention, n_splits {args.splits}, {n_keys} keys: "
+          f"max |diff| {diff:.1e}")
+    checks = {f"flash_decoding against the reference attention (max |diff| {diff:.1e}, atol {ATOL})": diff <= ATOL}
+    checks.update({f"model with n_splits={n}: the reference's tokens and logits (max |diff| {d:.1e}, atol "
+                   f"{LOGITS_ATOL})": d <= LOGITS_ATOL and same for n, (d, same, _) in found.items()})
+    harness.require_checks(checks)
+
+    variants = {"naive": reference_attention, "SDPA": sdpa_decode}
+    variants.update({f"flash n_splits={n}": (lambda q, k, v, n=n: flash_decoding(q, k, v, n)) for n in args.splits})
+    bench = ab.benchmark(variants, args.contexts, args.bench_batch, H, D, device, args.repeats, args.seed, n_queries=1,
+                         peak_memory=False)
+    bench = {name: r["ms"] for name, r in bench.items()}
+    rows = benchmark_rows(bench, args.contexts, args.bench_batch, H, found)
+    last = context_label(args.contexts[-1])
+    print(f"\ndecode attention alone: one query over a cache of n tokens, batch {args.bench_batch}, {H} heads of {D}, "
+          f"median of {args.repeats}; work_units = batch x heads x n_splits (an H100 has {H100_SMS} SMs); "
+          f"model check: {args.batch_size} prompts of {args.prompt_len}, {args.n_tokens} greedy tokens")
+    summary = summary_lines(rows, diff, last, device, args.bench_batch, H)
+    title = f"decode attention, batch {args.bench_batch}, {H} heads of {D} ({device.type})"
+    harness.report(args, "main_flash_decoding.py", preset, device, rows,
+                   headline(rows, diff, last, args.bench_batch, device), summary=summary,
+                   plot=lambda: plot(bench, args.contexts, args.splits, title), contexts=args.contexts,
+                   splits=args.splits, bench_batch=args.bench_batch, max_diff=diff, threads=torch.get_num_threads(),
+                   checks=checks)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ unless they pass.
 """
 import dataclasses
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,6 @@ import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import GPTlite_Linear, linear_config
-from lib.errors import GPTliteError
 from lib import corpus, files, harness, training
 
 # float32 logits (units to tens): the chunked form sums the same terms in another order. The "linear" rule's
@@ -131,16 +129,10 @@ def context_rows(models, data, contexts, batch_size, n_tokens, repeats, device, 
             token = logits[:, -1].argmax(-1, keepdim=True)
             runs[name] = lambda long=long, cache=cache, token=token, m=max_seqlen: decode_steps(long, cache, token,
                                                                                                n_tokens, m)
-            runs[name]()  # warm-up
-        times = {name: [] for name in runs}
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                with iu.Timer(device) as t:
-                    fn()
-                times[name].append(t.seconds)
+        times = iu.time_round_robin(runs, device, warmup=1, repeats=repeats)
         for name in models:
             rows.append(harness.make_row(name, context=context, cache_kb=round(cache_bytes[name] / 1024, 1),
-                                    tpot_ms=statistics.median(times[name]) / n_tokens * 1e3))
+                                         tpot_ms=iu.median(times[name]) / n_tokens * 1e3))
     return rows
 
 
@@ -175,28 +167,57 @@ def recall_accuracy(model, n_pairs, seqlen, n_keys, n_sequences=256, seed=4321):
     return (predicted[answers] == y[answers]).float().mean().item()
 
 
-def recall_rows(args, preset, device, rebuild):
+def recall_rows(pairs, steps, lr, n_keys, seqlen, seed, preset, device, rebuild, untrained):
     """Train (or load) one small model of each kind on MQAR, then accuracy against the number of pairs."""
-    n_keys, seqlen = args.recall_keys, args.recall_seqlen
     base = dict(RECALL, vocab_size=2 * n_keys, seqlen=seqlen)
     kinds = {"softmax": (GPTlite, base), **{name: (GPTlite_Linear, linear_config(base, rule, every))
                                             for name, (rule, every) in RECALL_KINDS.items()}}
     rows = []
     for name, (model_class, config) in kinds.items():
         def train(model):
-            train_recall(model, args.recall_steps, args.recall_lr, max(args.pairs), seqlen, n_keys, 64,
-                         args.seed, f"recall {name}", device)
-        path = files.checkpoint_path(f"{preset.name}_recall_{name}_s{args.recall_steps}")
-        stamp = dict(steps=args.recall_steps, lr=args.recall_lr, pairs=max(args.pairs), seed=args.seed)
-        torch.manual_seed(args.seed)
+            train_recall(model, steps, lr, max(pairs), seqlen, n_keys, 64, seed, f"recall {name}", device)
+        path = files.checkpoint_path(f"{preset.name}_recall_{name}_s{steps}")
+        stamp = dict(steps=steps, lr=lr, pairs=max(pairs), seed=seed)
+        torch.manual_seed(seed)
         model, _ = iu.cached_model(model_class(**config).to(device), config, path, train, f"mqar{n_keys}", rebuild,
-                                   stamp=stamp, untrained=args.untrained)
+                                   stamp=stamp, untrained=untrained)
         rows.append(harness.make_row(name, **{f"acc_{p}_pairs": round(recall_accuracy(model, p, seqlen, n_keys), 3)
-                                         for p in args.pairs}))
+                                              for p in pairs}))
     return rows
 
 
-def plot_results(quality, context, recall, pairs, path, preset, device):
+def quality_rows(models, data, window, val_batches, checks, seconds):
+    """Per language model: parameters, validation loss (and against softmax's), cache of one window, checks."""
+    softmax_loss = training.validation_loss(models["softmax"], data, val_batches)
+    quality = []
+    for name, model in models.items():
+        loss = softmax_loss if name == "softmax" else training.validation_loss(model, data, val_batches)
+        with torch.inference_mode():
+            cache_kb = iu.kv_cache_bytes(model(window[:1])[1]) / 1024
+        quality.append(harness.make_row(name, params=iu.n_params(model), val_loss=loss,
+                                        loss_vs_softmax=round(loss - softmax_loss, 4),
+                                        cache_kb_at_seqlen=round(cache_kb, 1),
+                                        forms_agree="-" if name == "softmax" else ("yes" if checks[name] else "NO"),
+                                        train_s=None if seconds.get(name) is None else round(seconds[name])))
+    return quality
+
+
+def headline(quality, context, recall, pairs, preset):
+    """The README's row: the losses against softmax, cache and TPOT at the longest context, recall at the most pairs."""
+    longest = max(row["context"] for row in context)
+    at = {row["variant"]: row for row in context if row["context"] == longest}
+    most = max(pairs)
+    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    return dict(technique=f"linear attention, gated, Gated DeltaNet and a 3:1 hybrid, trained {preset.iters} steps",
+                figure="val loss against softmax: " + ", ".join(f"{row['variant']} {row['loss_vs_softmax']:+.3f}"
+                                                                for row in quality if row["variant"] != "softmax")
+                + f"; at {longest} tokens cache {at['delta']['cache_kb']:.0f} against {at['softmax']['cache_kb']:.0f} KiB, "
+                f"TPOT {ms(at['delta']['tpot_ms'])} against {ms(at['softmax']['tpot_ms'])} ms; recall at {most} pairs: "
+                + ", ".join(f"{row['variant']} {row[f'acc_{most}_pairs']:.2f}" for row in recall))
+
+
+def plot_results(quality, context, recall, pairs, preset, device):
+    """Cache per sequence and TPOT against context, recall accuracy against key-value pairs: the figure."""
     fig, (ax_mem, ax_time, ax_recall) = harness.new_figure(3)
     for name in dict.fromkeys(r["variant"] for r in context):
         rows = [r for r in context if r["variant"] == name]
@@ -212,10 +233,11 @@ def plot_results(quality, context, recall, pairs, path, preset, device):
                   title="associative recall (MQAR), small models")
     for ax in (ax_mem, ax_time, ax_recall):
         ax.legend()
-    harness.save_plot(fig, path)
+    return fig
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--contexts", type=harness.int_at_least(1), nargs="+", default=[128, 256, 512, 1024],
@@ -237,58 +259,68 @@ def parse_args(argv):
         if max(args.pairs) > args.recall_keys or 2 * max(args.pairs) + 2 > args.recall_seqlen:
             parser.error(f"--pairs: at most --recall-keys={args.recall_keys} pairs, and 2 * pairs + 2 <= "
                          f"--recall-seqlen={args.recall_seqlen}; got {max(args.pairs)}")
-    return args, parser, check_args
-
-
-def main(argv=None):
-    args, parser, check_args = parse_args(argv)
+        longest = max(args.contexts) + args.n_tokens  # softmax: a cache and [heads, n, n] scores of the longest
+        harness.check_fits(parser, "--contexts", context_bytes(preset, 1, max(args.contexts)), "the longest prompt")
+        harness.check_fits(parser, "--batch-size", context_bytes(preset, args.batch_size, max(args.contexts)),
+                           "the batch of the longest prompt")
+        harness.check_fits(parser, "--n-tokens", context_bytes(preset, args.batch_size, longest),
+                           "the softmax model's position table and cache after the decoding steps")
+        recall = dict(RECALL, vocab_size=2 * args.recall_keys, seqlen=args.recall_seqlen)
+        harness.check_fits(parser, "--recall-keys", recall_bytes(dict(recall, seqlen=4), 256),
+                           "the recall models' vocabulary")
+        harness.check_fits(parser, "--recall-seqlen", recall_bytes(recall, 256), "the recall evaluation's sequences")
     preset, device, data = harness.setup(args, parser, check_args)
     if max(args.contexts) >= len(data.val):
         parser.error(f"--contexts: at most {len(data.val) - 1} tokens (the validation split)")
+    return args, preset, device, data
+
+
+def context_bytes(preset, batch_size, n):
+    """About the bytes of a softmax GPTlite's prefill of `batch_size` prompts of n tokens (float32): its KV cache
+    and position table, a layer's activations and [heads, n, n] scores and softmax, the logits."""
+    per_token = 2 * preset.n_layers * preset.n_heads * preset.d_head + 8 * preset.d_model + preset.vocab_size
+    return 4 * (batch_size * n * (per_token + 2 * preset.n_heads * n) + n * preset.d_model)
+
+
+def recall_bytes(config, n_sequences):
+    """About the bytes of a recall model's forward over `n_sequences` sequences (float32): the activations,
+    the [heads, seqlen, seqlen] scores and softmax, and the logits over the 2 * keys tokens."""
+    S, d = config["seqlen"], config["d_model"]
+    per_sequence = S * (8 * d * config["n_layers"] + 2 * config["n_heads"] * S + config["vocab_size"])
+    return 4 * n_sequences * per_sequence + 4 * config["vocab_size"] * d * 2
+
+
+def main(argv=None):
+    args, preset, device, data = parse_args(argv)
     rebuild = files.rebuild_command("main_linear_attention.py", argv, preset)
     models, seconds = train_language_models(preset, data, device, args.untrained, args.seed, rebuild)
     window = corpus.sample_prompts(data, 2, preset.seqlen, seed=args.seed, device=device)
     checks = {name: forms_agree(model, window) for name, model in models.items() if name != "softmax"}
+    harness.require_checks({f"{name}: chunked, recurrent and cached decoding agree": ok for name, ok in checks.items()})
 
-    softmax_loss = training.validation_loss(models["softmax"], data, args.val_batches)
-    quality = []
-    for name, model in models.items():
-        loss = softmax_loss if name == "softmax" else training.validation_loss(model, data, args.val_batches)
-        with torch.inference_mode():
-            cache_kb = iu.kv_cache_bytes(model(window[:1])[1]) / 1024
-        quality.append(harness.make_row(name, params=iu.n_params(model), val_loss=loss,
-                                   loss_vs_softmax=round(loss - softmax_loss, 4),
-                                   cache_kb_at_seqlen=round(cache_kb, 1),
-                                   forms_agree="-" if name == "softmax" else ("yes" if checks[name] else "NO"),
-                                   train_s=None if seconds.get(name) is None else round(seconds[name])))
-    failures = [name for name, ok in checks.items() if not ok]
-    if failures:
-        raise GPTliteError(f"checks failed: chunked, recurrent and cached decoding disagree for "
-                              f"{', '.join(failures)}; this is a bug (nothing written)")
+    quality = quality_rows(models, data, window, args.val_batches, checks, seconds)
     context = context_rows(models, data, args.contexts, args.batch_size, args.n_tokens, args.repeats, device,
                            args.seed)
-    recall = recall_rows(args, preset, device, rebuild)
-
+    recall = recall_rows(args.pairs, args.recall_steps, args.recall_lr, args.recall_keys, args.recall_seqlen,
+                         args.seed, preset, device, rebuild, args.untrained)
     print(f"\n1. quality: {preset.iters} steps each (batch {preset.batch_size}, lr {preset.lr:g}); cache of one "
           f"sequence of {preset.seqlen} tokens")
-    harness.print_table(quality, untrained=args.untrained)
-    print(f"\n2. cache per sequence and TPOT after a prompt of each length: batch {args.batch_size}, "
-          f"{args.n_tokens} decoding steps, median of {args.repeats}")
-    harness.print_table(context)
-    print(f"\n3. recall (MQAR): {args.recall_keys} keys, sequences of {args.recall_seqlen}, models "
-          f"{RECALL['n_layers']} layers x {RECALL['n_heads']} heads of {RECALL['d_head']}, {args.recall_steps} "
-          "steps each; accuracy of the answers on 256 sequences per pair count")
-    harness.print_table(recall, untrained=args.untrained)
+    tables = [harness.table("Cache per sequence and TPOT after a prompt of each length:", context),
+              harness.table("Associative recall (MQAR): accuracy of the answers against the number of key-value pairs:",
+                            recall)]
     summary = ["checks: chunked = recurrent form and prefill + decoding with the carried state = full pass "
                f"(atol {ATOL:g}) for " + ", ".join(checks),
-               f"softmax rows beyond {preset.seqlen} tokens: position table extended by its last row, timing only"]
-    print("\n".join(summary))
-    if args.plot:
-        plot_results(quality, context, recall, args.pairs, args.plot, preset, device)
-    if args.json:
-        harness.save_json(args.json, "main_linear_attention.py", preset, device, quality, untrained=args.untrained,
-                     context_rows=context, context_columns=harness.table_columns(context), recall_rows=recall,
-                     recall_columns=harness.table_columns(recall), recall_pairs=args.pairs, checks=checks, summary=summary)
+               f"softmax rows beyond {preset.seqlen} tokens: position table extended by its last row, timing only",
+               f"cache per sequence and TPOT: batch {args.batch_size}, {args.n_tokens} decoding steps, median of "
+               f"{args.repeats}",
+               f"recall (MQAR): {args.recall_keys} keys, sequences of {args.recall_seqlen}, models {RECALL['n_layers']} "
+               f"layers x {RECALL['n_heads']} heads of {RECALL['d_head']}, {args.recall_steps} steps each; accuracy "
+               "of the answers on 256 sequences per pair count"]
+    harness.report(args, "main_linear_attention.py", preset, device, quality,
+                   headline(quality, context, recall, args.pairs, preset), summary=summary, tables=tables,
+                   plot=lambda: plot_results(quality, context, recall, args.pairs, preset, device),
+                   context_rows=context, context_columns=harness.table_columns(context), recall_rows=recall,
+                   recall_columns=harness.table_columns(recall), recall_pairs=args.pairs, checks=checks)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from gptlite import GPTlite
 from gptlite_kvcache import kv_cache_view
 from lib.moba import moba_attention, select_blocks  # noqa: F401 (the post's listing: the selection and the mask)
 from lib.moba import GPTlite_MoBA, MoBACache, attention_cost, keys_read, make_flex_check, n_blocks
-from lib.errors import GPTliteError
 from lib import corpus, files, harness, training
 
 ATOL = 1e-4  # float32 logits (units to tens): FlexAttention's online softmax sums in another order
@@ -81,7 +80,8 @@ def uptrained(model, name, path, meta, data, preset, steps, lr, seed, rebuild):
     return iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=meta)[0]
 
 
-def plot_results(rows, path, preset, block_size):
+def plot_results(rows, preset, block_size):
+    """Validation loss against keys read per query, and KV bytes read per token against context: the figure."""
     fig, (ax_loss, ax_kv) = harness.new_figure(2)
     moba = [r for r in rows if r["top_k"] < rows[0]["top_k"]]
     keys = [r["keys_per_query"] for r in moba]
@@ -103,10 +103,43 @@ def plot_results(rows, path, preset, block_size):
     ax_kv.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="KV KB read per decoded token",
               title="keys, values and mean keys read (formula checked on the mask)")
     ax_kv.legend()
-    harness.save_plot(fig, path)
+    return fig
+
+
+def variant_rows(base, config, data, preset, block_size, top_ks, flex, steps, lr, seed, val_batches, rebuild,
+                 untrained):
+    """Dense (the control) and each top-k: the loss of MoBA applied to the dense checkpoint as it is, then
+    after the same uptraining (cached checkpoints, never saved when untrained), and the costs."""
+    nb = n_blocks(preset.seqlen, block_size)
+    base_sha = None if untrained else files.load_checkpoint(files.checkpoint_path(preset.name))["sha256"]
+    meta = dict(base_sha256=base_sha, uptrain_steps=steps, lr=lr, seed=seed)
+    rows = []
+    for k in [nb] + top_ks:  # dense (the control) first
+        name = f"dense (top-{nb} of {nb})" if k == nb else f"MoBA top-{k} of {nb}"
+        model = moba_from(base, config, block_size, k).use_flex(flex)
+        loss_inference = training.validation_loss(model, data, n_batches=val_batches)
+        path = None if untrained else files.checkpoint_path(f"{preset.name}_moba_b{block_size}_k{k}_s{steps}")
+        model = uptrained(model, name, path, meta, data, preset, steps, lr, seed, rebuild)
+        val_loss = training.validation_loss(model, data, n_batches=val_batches)
+        dense = rows[0] if rows else dict(loss_inference=loss_inference, val_loss=val_loss)
+        rows.append(harness.make_row(name, top_k=k, **cost_figures(block_size, k, preset, nb),
+                                     loss_inference=loss_inference,
+                                     gap_inference=round(loss_inference - dense["loss_inference"], 4),
+                                     val_loss=val_loss, gap_uptrained=round(val_loss - dense["val_loss"], 4)))
+    return rows
+
+
+def headline(rows, block_size, steps):
+    """The README's row: each top-k's share of dense's KV bytes and its loss gap, inference only / uptrained."""
+    dense, rest = rows[0], rows[1:]
+    return dict(technique=f"MoBA, blocks of {block_size}, {steps} uptraining steps",
+                figure="loss against dense at inference only / uptrained: " + ", ".join(
+                    f"top-{row['top_k']} ({row['kv_kb_token'] / dense['kv_kb_token']:.0%} of the KV bytes) "
+                    f"{row['gap_inference']:+.4f} / {row['gap_uptrained']:+.4f}" for row in rest))
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--block-size", type=harness.int_at_least(1), default=16, help="tokens per key block")
@@ -127,12 +160,11 @@ def parse_args(argv):
         if max(args.top_k) >= nb or len(set(args.top_k)) != len(args.top_k):
             parser.error(f"--top-k: distinct values below the {nb} blocks of {args.block_size} tokens in the window "
                          f"(top-k = {nb} is dense attention, which is always run), got {args.top_k}")
-    return args, parser, check_args
+    return (args, *harness.setup(args, parser, check_args))
 
 
 def main(argv=None):
-    args, parser, check_args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
     config, nb = preset.gptlite_kwargs(), n_blocks(preset.seqlen, args.block_size)
     top_ks = sorted(args.top_k, reverse=True)
@@ -144,32 +176,15 @@ def main(argv=None):
     checks = run_checks(base, config, window, args.block_size, top_ks, flex)  # correctness first
     if flex_diff is not None:
         checks[f"flex = mask on random inputs (max |diff| {flex_diff:.1e})"] = flex_diff <= FLEX_ATOL
-    failures = [name for name, ok in checks.items() if not ok]
-    if failures:
-        raise GPTliteError(f"checks failed: {'; '.join(failures)}; this is a bug (nothing trained or written)")
+    harness.require_checks(checks)  # nothing trained or written unless they pass
 
-    base_sha = None if args.untrained else files.load_checkpoint(files.checkpoint_path(preset.name))["sha256"]
-    meta = dict(base_sha256=base_sha, uptrain_steps=steps, lr=lr, seed=args.seed)
     rebuild = files.rebuild_command("main_moba.py", argv, preset)
-    rows = []
-    for k in [nb] + top_ks:  # dense (the control) first
-        name = f"dense (top-{nb} of {nb})" if k == nb else f"MoBA top-{k} of {nb}"
-        model = moba_from(base, config, args.block_size, k).use_flex(flex)
-        loss_inference = training.validation_loss(model, data, n_batches=args.val_batches)
-        path = None if args.untrained else files.checkpoint_path(f"{preset.name}_moba_b{args.block_size}_k{k}_s{steps}")
-        model = uptrained(model, name, path, meta, data, preset, steps, lr, args.seed, rebuild)
-        val_loss = training.validation_loss(model, data, n_batches=args.val_batches)
-        dense = rows[0] if rows else dict(loss_inference=loss_inference, val_loss=val_loss)
-        rows.append(harness.make_row(name, top_k=k, **cost_figures(args.block_size, k, preset, nb),
-                                loss_inference=loss_inference,
-                                gap_inference=round(loss_inference - dense["loss_inference"], 4),
-                                val_loss=val_loss, gap_uptrained=round(val_loss - dense["val_loss"], 4)))
-
+    rows = variant_rows(base, config, data, preset, args.block_size, top_ks, flex, steps, lr, args.seed,
+                        args.val_batches, rebuild, args.untrained)
     attention = "FlexAttention (block mask) at evaluation" if flex is not None else "an explicit mask"
     print(f"\nblocks of {args.block_size} tokens, {nb} in the {preset.seqlen}-token window; {steps} uptraining steps "
           f"at peak lr {lr:g} for every row; attention through {attention}, uptraining on {device} "
           f"{'with the explicit mask' if device.type == 'cpu' or flex is None else 'through FlexAttention'}")
-    harness.print_table(rows, untrained=args.untrained)
     dense, sparsest = rows[0], rows[-1]
     summary = [f"loss_inference: MoBA applied to the dense checkpoint as it is; val_loss: after {steps} steps with "
                "MoBA (dense: the same steps, the control); gap_*: against dense",
@@ -180,13 +195,9 @@ def main(argv=None):
                f"{sparsest['gap_uptrained']:+.4f} uptrained",
                f"FlexAttention: {flex_note or 'used for evaluation'}"]
     summary += [f"check {name}: {'ok' if ok else 'NO'}" for name, ok in checks.items()]
-    print("\n".join(summary))
-    if args.plot:
-        plot_results(rows, args.plot, preset, args.block_size)
-    if args.json:
-        harness.save_json(args.json, "main_moba.py", preset, device, rows, untrained=args.untrained,
-                     block_size=args.block_size, n_blocks=nb, uptrain_steps=steps, lr=lr, checks=checks,
-                     flex_max_diff=flex_diff, flex_note=flex_note, summary=summary)
+    harness.report(args, "main_moba.py", preset, device, rows, headline(rows, args.block_size, steps), summary=summary,
+                   plot=lambda: plot_results(rows, preset, args.block_size), block_size=args.block_size, n_blocks=nb,
+                   uptrain_steps=steps, lr=lr, checks=checks, flex_max_diff=flex_diff, flex_note=flex_note)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as exact_attention
-from lib.errors import GPTliteError
-from lib import corpus, harness, training
+from lib import attention_benchmark as ab, corpus, harness, training
 
 ATOL = 1e-5  # float32 attention outputs: the smoothing invariance
 
@@ -200,39 +199,31 @@ def time_variants(variants, shape, repeats, seed):
     q_int, _ = quantize_per_block(q, 128, 8)
     k_int, _ = quantize_per_block(k, 64, 8)
     fns = {name: (lambda f=attention_fn(o): f(q, k, v, True)) for name, o in variants.items()}
-    products = {"float32": lambda: q @ k.transpose(-2, -1), "int8": lambda: int_matmul(q_int, k_int)}
-    times = {name: [] for name in list(fns) + list(products)}
+    fns.update({"float32": lambda: q @ k.transpose(-2, -1), "int8": lambda: int_matmul(q_int, k_int)})
     with torch.inference_mode():
-        for fn in list(fns.values()) + list(products.values()):
-            fn()
-        for _ in range(repeats):
-            for name, fn in list(fns.items()) + list(products.items()):
-                with iu.Timer() as t:
-                    fn()
-                times[name].append(t.seconds * 1e3)
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+        times = iu.time_round_robin(fns, "cpu", warmup=1, repeats=repeats)
+    return {name: iu.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def run_checks(n_heads, d_head, seed):
-    """The smoothing invariance (exact attention of K and of K - mean(K)) and _int_mm against an int64 product."""
+    """The smoothing invariance (exact attention of K and of K - mean(K)) and _int_mm against an int64 product:
+    ({check: ok}, the smoothing's max |difference|)."""
     q, k, v = offset_inputs(2, n_heads, 100, d_head, offset=8.0, seed=seed)
     smooth = (exact_attention(q, k - k.mean(-2, keepdim=True), v) - exact_attention(q, k, v)).abs().max().item()
     a, b = quantize_per_block(q, 16, 8)[0], quantize_per_block(k, 16, 8)[0]
     int_ok = torch.equal(int_matmul(a, b).long(), a.long() @ b.long().transpose(-2, -1))
-    if smooth > ATOL or not int_ok:
-        raise GPTliteError(f"smoothing changed exact attention by {smooth:.1e} (atol {ATOL}) or the INT8 product "
-                              f"differs from the int64 one ({'ok' if int_ok else 'differs'}); this is a bug")
-    return smooth
+    return {f"smoothing leaves exact attention unchanged (max |diff| {smooth:.1e}, atol {ATOL})": smooth <= ATOL,
+            "the INT8 product equals the int64 one": int_ok}, smooth
 
 
-def model_rows(model, data, prompts, args, seqlen):
+def model_rows(model, data, prompts, n_tokens, offset, val_batches, seed, seqlen):
     """Per variant: errors on random offset inputs and on the model's own Q, K, V (the worst layer),
     validation loss and greedy-token agreement with the variant in every layer."""
     H, D = model.config.n_heads, model.config.d_head
-    q, k, v = offset_inputs(4, H, seqlen, D, args.offset, args.seed)
-    x = corpus.get_batch(data.val, 8, seqlen, torch.Generator().manual_seed(args.seed + 1))[0].to(prompts.device)
+    q, k, v = offset_inputs(4, H, seqlen, D, offset, seed)
+    x = corpus.get_batch(data.val, 8, seqlen, torch.Generator().manual_seed(seed + 1))[0].to(prompts.device)
     layers = capture_qkv(model, x)
-    ref_tokens = generate_kvcache(model, prompts, args.n_tokens, seqlen)[:, prompts.shape[1]:]
+    ref_tokens = generate_kvcache(model, prompts, n_tokens, seqlen)[:, prompts.shape[1]:]
     rows = []
     for name, options in VARIANTS.items():
         attention = attention_fn(options)
@@ -240,12 +231,12 @@ def model_rows(model, data, prompts, args, seqlen):
             random = errors(attention(q, k, v, False), exact_attention(q, k, v, causal_mask=False))  # as the listing
             real = [errors(attention(*qkv, True), exact_attention(*qkv)) for qkv in layers]  # causal, per layer
         variant = model if options is None else use_attention(copy.deepcopy(model), attention)
-        tokens = generate_kvcache(variant, prompts, args.n_tokens, seqlen)[:, prompts.shape[1]:]
+        tokens = generate_kvcache(variant, prompts, n_tokens, seqlen)[:, prompts.shape[1]:]
         figures = dict(cos_random=f"{random[0]:.5f}", rel_l1_random=f"{random[1]:.1e}",  # model: the worst layer
                        cos_model=f"{min(c for c, _ in real):.5f}", rel_l1_model=f"{max(e for _, e in real):.1e}")
         if options is None:  # the reference itself
             figures = dict.fromkeys(figures)
-        rows.append(harness.make_row(name, val_loss=training.validation_loss(variant, data, n_batches=args.val_batches),
+        rows.append(harness.make_row(name, val_loss=training.validation_loss(variant, data, n_batches=val_batches),
                                 **figures,
                                 token_agreement=(tokens == ref_tokens).float().mean().item(),
                                 first_diff=first_difference(tokens, ref_tokens),
@@ -259,10 +250,11 @@ def first_difference(tokens, ref_tokens):
     """Median over the prompts of the greedy tokens generated before the first that differs (all: none differs):
     after one token differs, the two texts go their own ways, and agreement position by position drops."""
     first = [row.nonzero()[0].item() if row.any() else len(row) for row in tokens != ref_tokens]
-    return sorted(first)[(len(first) - 1) // 2]
+    return iu.median(first)
 
 
-def plot(rows, path, title):
+def plot(rows, title):
+    """Each variant's relative L1 error, and its validation loss against float32's: the figure."""
     fig, (ax_err, ax_loss) = harness.new_figure(2)
     names = [r["variant"].split(" (")[0] for r in rows[1:]]
     pos = range(len(names))
@@ -277,10 +269,24 @@ def plot(rows, path, title):
         ax.set_xticks(list(pos), names, rotation=20, ha="right", fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     ax_err.legend(fontsize=8)
-    harness.save_plot(fig, path)
+    return fig
 
 
-def main(argv=None):
+def headline(rows):
+    """The README's row: the loss of INT8 and INT4 against float32's, INT8's error and Q, K bytes."""
+    row = {r["variant"]: r for r in rows}
+    exact, int8 = row["exact (float32)"], row["INT8 + smooth K (SageAttention)"]
+    int4 = row["INT4 + smooth Q, K (SageAttention2-style)"]
+    smaller = iu.ratio(exact["qk_bytes"], int8["qk_bytes"])
+    return dict(technique="SageAttention: INT8 Q and K per block, K smoothed; INT4 (SageAttention2-style)",
+                figure=f"val loss {int8['val_loss'] - exact['val_loss']:+.4f} (INT8), "
+                       f"{int4['val_loss'] - exact['val_loss']:+.4f} (INT4) against float32; relative L1 on the "
+                       f"model's Q, K, V {int8['rel_l1_model']} (INT8); Q and K bytes "
+                       f"{'-' if smaller is None else f'{smaller:.1f}x'} smaller than float32's")
+
+
+def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     at_least = harness.int_at_least
     parser.add_argument("--val-batches", type=at_least(1), default=10,
@@ -294,14 +300,30 @@ def main(argv=None):
                         help="tokens of the timed attention (batch 1, the model's heads, causal)")
     parser.add_argument("--repeats", type=at_least(1), default=5, help="timed runs, median taken (after a warm-up)")
     args = parser.parse_args(argv)
-    preset, device, data = harness.setup(args, parser)
+
+    def check_args(preset):
+        H, D = preset.n_heads, preset.d_head
+        harness.check_fits(parser, "--batch-size", ab.generation_bytes(preset, args.batch_size, preset.seqlen),
+                           "the token agreement's prompts")
+        harness.check_fits(parser, "--n-tokens", ab.generation_bytes(preset, args.batch_size,
+                                                                     args.prompt_len + args.n_tokens),
+                           "the generated tokens")
+        # the variants hold the float32 scores and their softmax, plus copies of Q, K, V (quantized, smoothed)
+        harness.check_fits(parser, "--bench-len", 2 * ab.benchmark_bytes([args.bench_len], 1, H, D),
+                           "the timed attention's scores")
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def main(argv=None):
+    args, preset, device, data = parse_args(argv)
     if device.type != "cpu":
         print("note: the checks and errors run on the device; the INT8 timing runs on the CPU (torch._int_mm)")
-
-    smooth_diff = run_checks(preset.n_heads, preset.d_head, args.seed)
+    checks, smooth_diff = run_checks(preset.n_heads, preset.d_head, args.seed)
+    harness.require_checks(checks)
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=device)
-    rows, k_offset = model_rows(model, data, prompts, args, preset.seqlen)
+    rows, k_offset = model_rows(model, data, prompts, args.n_tokens, args.offset, args.val_batches, args.seed,
+                                preset.seqlen)
     ms = time_variants(VARIANTS, (1, preset.n_heads, args.bench_len, preset.d_head), args.repeats, args.seed)
     fast_int8 = ms["int8"] < ms["float32"]
     for row in rows:
@@ -312,7 +334,6 @@ def main(argv=None):
           f"{args.val_batches} validation batches; {args.batch_size} x {args.n_tokens} greedy tokens (first_diff: "
           f"median tokens before the first difference); qk_bytes per token and head; ms: batch 1, {preset.n_heads} "
           f"heads, {args.bench_len} tokens, median of {args.repeats}, CPU")
-    harness.print_table(rows, untrained=args.untrained)
     pv = str(pv_dtype(device)).removeprefix("torch.")
     summary = [f"smoothing invariance: exact attention of K and of K - mean(K) differ by {smooth_diff:.1e}",
                f"the model's keys: the mean over tokens is up to {k_offset:.2f}x the tokens' own spread (one head)",
@@ -322,13 +343,11 @@ def main(argv=None):
                "matmul in torch)",
                f"the whole attention: {ms['INT8 + smooth K (SageAttention)']:.1f} ms INT8 + smooth K against "
                f"{ms['exact (float32)']:.1f} ms exact (eager: quantizing is extra passes over Q and K)"]
-    print("\n".join(summary))
-    if args.plot:
-        plot(rows, args.plot, f"SageAttention variants ({preset.name}, {device.type})")
-    if args.json:
-        harness.save_json(args.json, "main_sage_attention.py", preset, device, rows, untrained=args.untrained,
-                     smooth_diff=smooth_diff, k_offset=k_offset, int8_qk_ms=ms["int8"], float32_qk_ms=ms["float32"],
-                     bench_len=args.bench_len, pv_dtype=pv, summary=summary)
+    title = f"SageAttention variants ({preset.name}, {device.type})"
+    harness.report(args, "main_sage_attention.py", preset, device, rows, headline(rows), summary=summary,
+                   plot=lambda: plot(rows, title), smooth_diff=smooth_diff, k_offset=k_offset,
+                   int8_qk_ms=ms["int8"], float32_qk_ms=ms["float32"], bench_len=args.bench_len, pv_dtype=pv,
+                   checks=checks)
 
 
 if __name__ == "__main__":

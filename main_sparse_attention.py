@@ -24,7 +24,7 @@ from lib import kv_budget as kb
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
 from gptlite_rope import load_rope
-from lib import corpus, harness, training
+from lib import attention_benchmark as ab, corpus, harness, training
 
 METHODS = ["window", "sinks", "H2O", "SnapKV", "Quest"]
 
@@ -135,19 +135,15 @@ def stream_rows(variants, stream, segment, time_tokens, repeats):
             rows[-1]["first_mass"] = sum(cache.first_mass) / len(cache.first_mass) / cache.n_steps
             rows[-1]["uniform_mass"] = cache.first_uniform / cache.n_steps  # what equal weights would give
             rows[-1]["mass_by_layer"] = " ".join(f"{m / cache.n_steps:.2f}" for m in cache.first_mass)
-    seconds = {name: [] for name in variants}
-    for r in range(repeats + 1):  # round-robin; the first round warms up
-        for name, (_, step) in variants.items():
-            with iu.Timer() as t:
-                step(x[:, :time_tokens])
-            if r:
-                seconds[name].append(t.seconds)
+    steps = {name: (lambda step=step: step(x[:, :time_tokens])) for name, (_, step) in variants.items()}
+    seconds = iu.time_round_robin(steps, warmup=1, repeats=repeats)  # batch 1 on the CPU's clock
     for row in rows:
-        row["tokens_per_s"] = time_tokens / sorted(seconds[row["variant"]])[repeats // 2]
+        row["tokens_per_s"] = time_tokens / iu.median(seconds[row["variant"]])
     return rows, losses
 
 
-def plot_results(rows, losses, segment, W, path, preset):
+def plot_results(rows, losses, segment, W, preset):
+    """Validation loss against the KV budget per method, and the streaming loss per segment: the figure."""
     fig, (ax_q, ax_s) = harness.new_figure(2)
     dense = next(r for r in rows if r["method"] == "dense")
     for name in METHODS:
@@ -167,10 +163,43 @@ def plot_results(rows, losses, segment, W, path, preset):
     ax_s.set(xlabel="position in the stream (characters)", ylabel=f"loss per {segment} characters",
              title="streaming past the window (teacher forcing)")
     ax_s.legend(fontsize=7)
-    harness.save_plot(fig, path)
+    return fig
+
+
+def headline(rows, srows, segment):
+    """The README's row: each method's loss against dense at the middle budget, and the streaming worst segments."""
+    budgets = sorted({row["budget"] for row in rows if row["method"] != "dense"})
+    budget = budgets[len(budgets) // 2]  # the middle one
+    by_name = {row["variant"]: row for row in rows}
+    losses = ", ".join(f"{m} {by_name[f'{m} {budget}']['loss_vs_dense']:+.3f}" for m in METHODS)
+    worst = lambda key: f"{next(r for r in srows if key in r['variant'])['worst_segment']:.2f}"  # noqa: E731
+    return dict(technique=f"KV budgets without retraining (window, sinks, H2O, SnapKV, Quest), budget {budget} of "
+                          f"{by_name['dense']['budget']}",
+                figure=f"loss against dense: {losses}; streaming {segment}-character worst segment: rotary window "
+                       f"cache {worst('window cache')}, sinks {worst('sinks')}, re-encoding {worst('rotary: re-encode')}; "
+                       f"the post's clamped cache {worst('clamp')} against re-encoding {worst('GPTlite: re-encode')}")
+
+
+def summary_lines(checks, srows, losses, seqlen, n_sink, segment):
+    """The lines under the tables: the checks, the attention on the first entries, each stream's figures."""
+    sinks = next(r for r in srows if "sinks" in r["variant"])
+    window = next(r for r in srows if "window cache" in r["variant"])
+    summary = [f"checks passed ({len(checks)}): every method at budget {seqlen} gives generate_kvcache's tokens; "
+               "the budgeted dense path and the rotary model's cached decode give their full forward pass's logits "
+               "(atol 1e-4)",
+               f"attention on the first {n_sink} cache entries (mean over layers, heads, steps): "
+               f"{sinks['first_mass']:.3f} with sinks, {window['first_mass']:.3f} for the window's oldest "
+               f"{n_sink} (equal weights over the entries read would give {sinks['uniform_mass']:.3f}); by layer, "
+               f"first to last: {sinks['mass_by_layer']} with sinks, {window['mass_by_layer']} window-only",
+               *(f"stream, {r['variant']}: loss {r['val_loss']:.3f}, worst {segment}-character segment "
+                 f"{r['worst_segment']:.3f}, {r['tokens_per_s']:.0f} tok/s" for r in srows),
+               "streaming loss per segment: " + "; ".join(
+                   f"{name}: " + " ".join(f"{v:.2f}" for v in seg) for name, seg in losses.items())]
+    return summary
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--budgets", type=harness.int_at_least(1), nargs="+", default=[16, 32, 64],
@@ -199,12 +228,19 @@ def parse_args(argv):
                     kb.make_method(name, budget, args.n_sink, args.page_size)
                 except ValueError as e:
                     parser.error(f"--budgets {budget} with {name}: {e}")
-    return args, parser, check_args
+        fits = lambda flag, nbytes, what: harness.check_fits(parser, flag, nbytes, what)  # noqa: E731
+        fits("--n-windows", ab.generation_bytes(preset, args.n_windows, preset.seqlen + 1), "the validation windows")
+        fits("--n-prompts", ab.generation_bytes(preset, args.n_prompts, preset.seqlen), "the prompts")
+        fits("--n-tokens", ab.generation_bytes(preset, args.n_prompts, args.prompt_len + args.n_tokens),
+             "the generated tokens")
+        # every variant's logits over the stream, float32, and a batch of 64 re-encoded windows
+        fits("--stream-chars", ab.generation_bytes(preset, 64, preset.seqlen)
+             + args.stream_chars * (8 + 4 * 2 * preset.vocab_size), "the streamed characters' logits")
+    return (args, *harness.setup(args, parser, check_args))
 
 
 def main(argv=None):
-    args, parser, check_args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     cached = iu.kv_cache_model(base)
     rope = load_rope(preset, device, data, untrained=args.untrained, seed=args.seed)
@@ -219,34 +255,15 @@ def main(argv=None):
     W, stream = preset.seqlen, data.val[:args.stream_chars + 1].to(device)
     variants = stream_variants(base, cached, rope, W, args.n_sink)
     srows, losses = stream_rows(variants, stream, args.segment, args.time_tokens, args.repeats)
-
     print(f"\nquality: loss over {args.n_windows} validation windows of {preset.seqlen}, each position with the method "
           f"(teacher forcing); agreement: {args.n_prompts} prompts of {args.prompt_len}, {args.n_tokens} greedy tokens; "
           f"KV bytes at a full window, float32")
-    harness.print_table(rows, untrained=args.untrained)
-    print(f"\nstreaming {args.stream_chars} validation characters (loss per {args.segment}; tok/s: the first "
-          f"{args.time_tokens}, median of {args.repeats}, batch 1)")
-    harness.print_table(srows, untrained=args.untrained)
-    sinks = next(r for r in srows if "sinks" in r["variant"])
-    window = next(r for r in srows if "window cache" in r["variant"])
-    summary = [f"checks passed ({len(checks)}): every method at budget {preset.seqlen} gives generate_kvcache's tokens; "
-               "the budgeted dense path and the rotary model's cached decode give their full forward pass's logits "
-               "(atol 1e-4)",
-               f"attention on the first {args.n_sink} cache entries (mean over layers, heads, steps): "
-               f"{sinks['first_mass']:.3f} with sinks, {window['first_mass']:.3f} for the window's oldest "
-               f"{args.n_sink} (equal weights over the entries read would give {sinks['uniform_mass']:.3f}); by layer, "
-               f"first to last: {sinks['mass_by_layer']} with sinks, {window['mass_by_layer']} window-only",
-               *(f"stream, {r['variant']}: loss {r['val_loss']:.3f}, worst {args.segment}-character segment "
-                 f"{r['worst_segment']:.3f}, {r['tokens_per_s']:.0f} tok/s" for r in srows),
-               "streaming loss per segment: " + "; ".join(
-                   f"{name}: " + " ".join(f"{v:.2f}" for v in seg) for name, seg in losses.items())]
-    print("\n".join(summary))
-    if args.plot:
-        plot_results(rows, losses, args.segment, W, args.plot, preset)
-    if args.json:
-        harness.save_json(args.json, "main_sparse_attention.py", preset, device, rows, untrained=args.untrained,
-                     checks=checks, stream_rows=srows, stream_losses=losses, segment=args.segment,
-                     summary=summary)
+    stream_table = harness.table(f"streaming {args.stream_chars} validation characters (loss per {args.segment}; "
+                                 f"tok/s: the first {args.time_tokens}, median of {args.repeats}, batch 1)", srows)
+    summary = summary_lines(checks, srows, losses, preset.seqlen, args.n_sink, args.segment)
+    harness.report(args, "main_sparse_attention.py", preset, device, rows, headline(rows, srows, args.segment),
+                   summary=summary, tables=[stream_table], plot=lambda: plot_results(rows, losses, args.segment, W, preset),
+                   checks=checks, stream_rows=srows, stream_losses=losses, segment=args.segment)
 
 
 if __name__ == "__main__":

@@ -18,20 +18,18 @@ output character, time per character, mask time per step against forward time pe
 validation loss of the corpus's own turns that fit the grammar, with and without the mask.
 """
 import re
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import inference_utils as iu
 from lib import structured_decoding as sd
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
 from lib.errors import GPTliteError
-from lib import harness, training
+from lib import attention_benchmark as ab, harness, training
 
 
 @dataclass
@@ -179,41 +177,46 @@ def grammar_loss(model, task, data, seqlen, masked):
     return total / count
 
 
-def measure(model, prompts, tasks, max_chars, seqlen, vocab, repeats):
-    """A warm-up run of every (task, variant) whose outputs are checked, then `repeats` timed rounds,
-    the variants round-robin. Returns {(task, variant): (outputs, [seconds])} and the checks."""
-    runs = [(task, variant) for task in tasks for variant in VARIANTS]
-    results = {(t.name, v): (run_variant(model, prompts, t, v, max_chars, seqlen, vocab)[0], []) for t, v in runs}
+def check_runs(model, prompts, tasks, max_chars, seqlen, vocab):
+    """A first run of every (task, variant), whose outputs are checked (and which warms up the timing).
+    Returns {(task, variant): outputs} and the checks."""
+    outputs = {(t.name, v): run_variant(model, prompts, t, v, max_chars, seqlen, vocab)[0] for t in tasks
+               for v in VARIANTS}
     checks = {f"{task.name}: {name}": ok for task in tasks for name, ok in check_outputs(
-        model, prompts, task, {v: results[task.name, v][0] for v in VARIANTS}, seqlen, vocab).items()}
-    for _ in tqdm(range(repeats), desc="timed rounds"):
-        for task, variant in runs:
-            results[task.name, variant][1].append(run_variant(model, prompts, task, variant, max_chars, seqlen,
-                                                              vocab)[1])
-    return results, checks
+        model, prompts, task, {v: outputs[task.name, v] for v in VARIANTS}, seqlen, vocab).items()}
+    return outputs, checks
 
 
-def make_rows(tasks, results, losses, vocab):
+def measure(model, prompts, tasks, max_chars, seqlen, vocab, repeats, device):
+    """`repeats` timed rounds of every (task, variant), round-robin (iu.time_round_robin; check_runs
+    warmed them up). Returns {(task, variant): [seconds]}."""
+    runs = {(t.name, v): (lambda t=t, v=v: run_variant(model, prompts, t, v, max_chars, seqlen, vocab))
+            for t in tasks for v in VARIANTS}
+    return iu.time_round_robin(runs, device, warmup=0, repeats=repeats)
+
+
+def make_rows(tasks, outputs, seconds, losses, vocab):
     rows = []
     for task in tasks:
         for variant in VARIANTS:
-            outs, seconds = results[task.name, variant]
+            outs = outputs[task.name, variant]
             texts = ["".join(vocab[i] for i in d.tokens) for d in outs]
             n_chars = sum(len(t) for t in texts)
-            median = lambda xs: statistics.median(xs) * 1e3 if xs else None
+            median_ms = lambda xs: iu.median(xs) * 1e3 if xs else None  # noqa: E731
             regex = task.grammar.python_regex
             rows.append(harness.make_row(
-                variant, grammar=task.name, tokens_per_s=n_chars / statistics.median(seconds),
+                variant, grammar=task.name, tokens_per_s=n_chars / iu.median(seconds[task.name, variant]),
                 val_loss=losses[task.name, variant != "unconstrained"],
                 accepted=sum(map(task.grammar.accepts, texts)) / len(texts),
                 accepted_re=None if regex is None else sum(bool(regex.fullmatch(t)) for t in texts) / len(texts),
                 chars=n_chars / len(texts), calls_per_char=sum(d.calls for d in outs) / n_chars,
-                mask_ms=median([s for d in outs for s in d.mask_s]),
-                forward_ms=median([s for d in outs for s in d.forward_s])))
+                mask_ms=median_ms([s for d in outs for s in d.mask_s]),
+                forward_ms=median_ms([s for d in outs for s in d.forward_s])))
     return rows
 
 
-def plot_results(rows, path, preset, device):
+def plot_results(rows, preset, device):
+    """Model calls per character and characters per second, by grammar and variant: the figure."""
     fig, (ax_calls, ax_speed) = harness.new_figure(2)
     grammars = list(dict.fromkeys(r["grammar"] for r in rows))
     width = 0.8 / len(VARIANTS)
@@ -227,10 +230,24 @@ def plot_results(rows, path, preset, device):
     ax_calls.set(ylabel="model calls per output character", title=f"structured decoding (preset {preset.name})")
     ax_speed.set(ylabel="output characters per second", title=f"greedy, batch 1 ({device})")
     ax_calls.legend(loc="lower left")
-    harness.save_plot(fig, path)
+    return fig
+
+
+def headline(rows):
+    """The README's row: play turns accepted with and without the grammar, model calls per character."""
+    find = lambda variant, grammar: next(r for r in rows if r["variant"] == variant and r["grammar"] == grammar)  # noqa: E731
+    turn = lambda variant: find(variant, "play turn (EBNF)")  # noqa: E731
+    direction = find("constrained + jump-forward", "stage direction (EBNF)")
+    return dict(technique="structured decoding (XGrammar), jump-forward",
+                figure=f"play turns accepted: {turn('unconstrained')['accepted']:.0%} unconstrained, "
+                       f"{turn('constrained')['accepted']:.0%} constrained; jump-forward: "
+                       f"{turn('constrained + jump-forward')['calls_per_char']:.2f} model calls per character on play "
+                       f"turns, {direction['calls_per_char']:.2f} on stage directions; the same text")
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data); args.speakers is the list checked
+    against the corpus (default: its 8 most frequent speakers of the validation text)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--speakers", nargs="+", default=None, metavar="NAME",
@@ -241,7 +258,27 @@ def parse_args(argv):
     add("--max-lines", type=harness.int_at_least(1), default=2, help="most verse lines in a play turn")
     add("--max-line-chars", type=harness.int_at_least(4), default=48, help="most characters in a line")
     add("--repeats", type=harness.int_at_least(1), default=3, help="timed rounds (median, after the checked warm-up)")
-    return parser, parser.parse_args(argv)
+    args = parser.parse_args(argv)
+
+    def check_window(preset, max_chars):  # past the window the post's cache drifts (gptlite_kvcache.py)
+        if args.prompt_len + max_chars > preset.seqlen:
+            parser.error(f"a prompt of {args.prompt_len} and the longest turn ({max_chars} characters) exceed the "
+                         f"window of {preset.seqlen}: lower --prompt-len, --max-lines or --max-line-chars")
+
+    def check_args(preset):  # the speakers' names come with the data: the turn without them first
+        check_window(preset, 3 + args.max_lines * (args.max_line_chars + 1))
+        # every output of the 3 x 3 runs holds its tokens and per-step timings; the prompts, a cached forward each
+        harness.check_fits(parser, "--n-outputs", 9 * args.n_outputs * preset.seqlen * 64
+                           + ab.generation_bytes(preset, args.n_outputs, preset.seqlen), "the outputs and prompts")
+    preset, device, data = harness.setup(args, parser, check_args)
+    args.speakers = check_speakers(parser, args, data, data.decode(data.val.tolist()))
+    check_window(preset, longest_turn(args.speakers, args.max_lines, args.max_line_chars))
+    return args, preset, device, data
+
+
+def longest_turn(speakers, max_lines, max_line_chars):
+    """The most characters of a play turn: the longest name, ':' and newlines, the lines."""
+    return max(map(len, speakers)) + 3 + max_lines * (max_line_chars + 1)
 
 
 def check_speakers(parser, args, data, val_text):
@@ -256,44 +293,35 @@ def check_speakers(parser, args, data, val_text):
 
 
 def main(argv=None):
-    parser, args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser)
-    val_text = data.decode(data.val.tolist())
-    speakers = check_speakers(parser, args, data, val_text)
-    max_chars = max(map(len, speakers)) + 3 + args.max_lines * (args.max_line_chars + 1)  # the longest turn
-    if args.prompt_len + max_chars > preset.seqlen:  # past the window the post's cache drifts (gptlite_kvcache.py)
-        parser.error(f"a prompt of {args.prompt_len} and the longest turn ({max_chars} characters) exceed the window "
-                     f"of {preset.seqlen}: lower --prompt-len, --max-lines or --max-line-chars")
+    args, preset, device, data = parse_args(argv)
+    speakers, val_text = args.speakers, data.decode(data.val.tolist())
+    max_chars = longest_turn(speakers, args.max_lines, args.max_line_chars)
     turns = sd.corpus_turns(val_text)
     tasks = make_tasks(speakers, data.vocab, turns, preset.seqlen, args.max_lines, args.max_line_chars)
 
     model = iu.kv_cache_model(iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed))
     prompts = turn_prompts(data, turns, args.n_outputs, args.prompt_len, args.seed, device)
+    outputs, checks = check_runs(model, prompts, tasks, max_chars, preset.seqlen, data.vocab)
+    harness.require_checks(checks)
     losses = {(t.name, masked): grammar_loss(model, t, data, preset.seqlen, masked)
               for t in tasks for masked in (False, True)}
-    results, checks = measure(model, prompts, tasks, max_chars, preset.seqlen, data.vocab, args.repeats)
-    rows = make_rows(tasks, results, losses, data.vocab)
-    decode = lambda ids: "".join(data.vocab[i] for i in ids)
+    seconds = measure(model, prompts, tasks, max_chars, preset.seqlen, data.vocab, args.repeats, device)
+    rows = make_rows(tasks, outputs, seconds, losses, data.vocab)
+    decode = lambda ids: "".join(data.vocab[i] for i in ids)  # noqa: E731
 
     print(f"\nspeakers: {', '.join(speakers)}; {args.n_outputs} prompts of {args.prompt_len} characters (the text "
           f"before a validation turn), at most {max_chars} characters per output, median of {args.repeats} rounds")
-    harness.print_table(rows, untrained=args.untrained)
     summary = [f"val loss: the validation turns each grammar accepts ({', '.join(f'{t.name}: {len(t.examples)}' for t in tasks)}), "
                "unconstrained vs. with the grammar's mask (renormalized over the allowed characters)",
                "accepted: outputs the grammar engine accepts; accepted_re: Python's re.fullmatch of the same regex",
                "calls_per_char: model forward passes (prefill included) per output character; mask_ms: median "
                "grammar mask per step; forward_ms: median forward pass per call",
-               *(f"{t.name}, first constrained output: {decode(results[t.name, VARIANTS[1]][0][0].tokens)!r}"
+               *(f"{t.name}, first constrained output: {decode(outputs[t.name, VARIANTS[1]][0].tokens)!r}"
                  for t in tasks),
                "checks: " + ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())]
-    print("\n".join(summary))
-    harness.require_checks(checks)
-    if args.plot:
-        plot_results(rows, args.plot, preset, device)
-    if args.json:
-        harness.save_json(args.json, "main_structured_decoding.py", preset, device, rows, untrained=args.untrained,
-                     speakers=speakers, grammars={t.name: t.grammar.source for t in tasks}, checks=checks,
-                     summary=summary)
+    harness.report(args, "main_structured_decoding.py", preset, device, rows, headline(rows), summary=summary,
+                   plot=lambda: plot_results(rows, preset, device), speakers=speakers,
+                   grammars={t.name: t.grammar.source for t in tasks}, checks=checks)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import inference_utils as iu
 from gptlite import scaled_dot_product_attention
@@ -86,24 +87,43 @@ def make_flex(window, device, compiled=True, check_len=None):
     return flex, diff, None
 
 
-def benchmark(variants, contexts, batch_size, n_heads, d_head, device, repeats=3, seed=0):
-    """Time (median of `repeats`, after a warm-up) and peak memory of each `variants[name](Q, K, V)`
-    on random [batch_size, n_heads, n, d_head] inputs for every n in `contexts`.
+def benchmark(variants, contexts, batch_size, n_heads, d_head, device, repeats=3, seed=0, n_queries=None,
+              peak_memory=True):
+    """Time (median of `repeats` after a warm-up, the variants round-robin: iu.time_round_robin) and peak
+    memory of each `variants[name](Q, K, V)` on random K, V of [batch_size, n_heads, n, d_head] for every n
+    in `contexts`. Q holds `n_queries` queries per sequence and head: None, n (the causal attention of a
+    prefill: main_flash_attention); 1, one decode step over a cache of n (main_flash_decoding).
+    `peak_memory=False` leaves the memory out (no "peak_mb" key).
 
     Returns {name: {"context": [...], "ms": [...], "peak_mb": [...]}}."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    results = {name: {"context": [], "ms": [], "peak_mb": []} for name in variants}
-    for n in contexts:
-        Q, K, V = torch.randn(3, batch_size, n_heads, n, d_head, device=device, generator=generator)
-        for name, attention in variants.items():
-            fn = lambda: attention(Q, K, V)  # noqa: E731
-            with torch.inference_mode():
-                ms = iu.time_fn(fn, device, warmup=1, repeats=repeats) * 1e3
-                peak = iu.peak_memory_mb(fn, device)
-            for key, value in (("context", n), ("ms", ms), ("peak_mb", peak)):
-                results[name][key].append(value)
-        del Q, K, V
+    results = {name: {"context": [], "ms": [], **({"peak_mb": []} if peak_memory else {})} for name in variants}
+
+    def measure(n):  # the inputs live in this call only: freed before the next context's
+        K, V = torch.randn(2, batch_size, n_heads, n, d_head, device=device, generator=generator)
+        Q = torch.randn(batch_size, n_heads, n if n_queries is None else n_queries, d_head, device=device,
+                        generator=generator)
+        fns = {name: (lambda attention=attention: attention(Q, K, V)) for name, attention in variants.items()}
+        times = iu.time_round_robin(fns, device, warmup=1, repeats=repeats)
+        for name, fn in fns.items():
+            results[name]["context"].append(n)
+            results[name]["ms"].append(iu.median(times[name]) * 1e3)
+            if peak_memory:
+                results[name]["peak_mb"].append(iu.peak_memory_mb(fn, device))
+
+    for n in tqdm(contexts, desc="contexts", unit="context", leave=False):
+        with torch.inference_mode():
+            measure(n)
     return results
+
+
+def benchmark_bytes(contexts, batch_size, n_heads, d_head, n_queries=None, naive=True):
+    """About the bytes that benchmark() allocates at its longest context (float32): Q, K, V and the output,
+    and, with naive attention among the variants, its [q, n] scores and their softmax (alive together)."""
+    n = max(contexts)
+    q = n if n_queries is None else n_queries
+    inputs = batch_size * n_heads * (2 * n + 2 * q) * d_head * 4
+    return inputs + (2 * batch_size * n_heads * q * n * 4 if naive else 0)  # scores and softmax alive together
 
 
 def format_results(results, baseline="naive", fast="SDPA"):
@@ -121,8 +141,8 @@ def format_results(results, baseline="naive", fast="SDPA"):
     return "\n".join(text[:1] + ["-" * len(text[0])] + text[1:])
 
 
-def plot(results, path, title):
-    """Time and peak memory against context length, one curve per variant, on log-log axes."""
+def plot(results, title):
+    """Time and peak memory against context length, one curve per variant, on log-log axes: the figure."""
     fig, (ax_time, ax_mem) = harness.new_figure(2)
     for name, r in results.items():
         ax_time.plot(r["context"], r["ms"], marker="o", label=name)
@@ -132,4 +152,15 @@ def plot(results, path, title):
         ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    harness.save_plot(fig, path)
+    return fig
+
+
+def generation_bytes(preset, batch_size, length):
+    """About the bytes that generating (or scoring) `batch_size` sequences of `length` tokens with a model of
+    `preset` allocates, float32, for a size flag's check (harness.check_fits): the tokens held (int64), and
+    per sequence a full-window forward pass: each layer's K/V cache, activations and [heads, seqlen, seqlen]
+    scores, and the logits."""
+    S = preset.seqlen
+    window = 4 * S * (2 * preset.n_layers * preset.n_heads * preset.d_head + 8 * preset.d_model
+                      + 2 * preset.n_heads * S + preset.vocab_size)
+    return batch_size * (8 * length + window)

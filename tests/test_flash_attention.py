@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lib import attention_benchmark as ab, harness
 import inference_utils as iu
 import main_flash_attention as mfa
+from lib.errors import GPTliteError
 from conftest import TINY
 from gptlite import MultiHeadAttention, generate, scaled_dot_product_attention
 from gptlite_kvcache import StaticKVCache, generate_kvcache, scaled_dot_product_attention_kv_cache

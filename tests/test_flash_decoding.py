@@ -119,3 +119,36 @@ def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
         mfd.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+QUICK = ["--untrained", "--device", "cpu", "--contexts", "16", "32", "--splits", "1", "2", "--repeats", "1",
+         "--prompt-len", "8", "--n-tokens", "3", "--batch-size", "1"]
+
+
+def test_failed_checks_stop_before_anything_is_timed_or_written(real_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(mfd, "LOGITS_ATOL", -1.0)  # the model check cannot pass
+    monkeypatch.setattr(iu, "Timer", lambda *a, **k: pytest.fail("timed before the checks"))
+    out_json, out_png = tmp_path / "fd.json", tmp_path / "fd.png"
+    with pytest.raises(mfd.harness.GPTliteError, match="checks failed: model with n_splits=1"):
+        mfd.main(QUICK + ["--json", str(out_json), "--plot", str(out_png)])
+    assert not out_json.exists() and not out_png.exists()
+
+
+def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, tmp_path):
+    results = []
+    for plot in ([], ["--plot", str(tmp_path / "fd.png")]):
+        mfd.main(QUICK + ["--json", str(tmp_path / "fd.json")] + plot)
+        results.append(json.loads((tmp_path / "fd.json").read_text()))
+    assert results[0].keys() == results[1].keys()
+    assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
+    assert results[0]["headline"]["technique"] == "FlashDecoding (split-KV), one query over 32 tokens, batch 1"
+    assert results[0]["headline"]["figure"].startswith("time / SDPA's: n_splits=1 ")
+
+
+@pytest.mark.parametrize("flag", ["--contexts", "--bench-batch", "--batch-size", "--n-tokens"])
+def test_huge_sizes_are_parser_errors_naming_the_flag_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        mfd.main(["--untrained", "--device", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2
+    assert f"error: {flag}: " in capsys.readouterr().err

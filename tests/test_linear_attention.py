@@ -15,7 +15,7 @@ from conftest import TINY
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import RULES, GPTlite_Linear, LinearAttention, chunked, recurrent, recurrent_step
 from lib.errors import CheckpointError
-from lib import training
+from lib import harness, training
 
 ATOL = 1e-5  # float32, unit-scale inputs
 B, H, D = 2, 3, 8
@@ -288,3 +288,30 @@ def test_main_end_to_end_untrained(tmp_path, real_data):
     assert by_context[("softmax", 200)] == pytest.approx(25 * by_context[("softmax", 8)])  # KV cache: linear
     assert by_context[("hybrid", 8)] < by_context[("hybrid", 200)]
     assert len(result["recall_rows"]) == 5 and (tmp_path / "linear.png").stat().st_size > 0
+
+
+QUICK = ["--untrained", "--contexts", "8", "16", "--batch-size", "1", "--n-tokens", "2", "--repeats", "1",
+         "--val-batches", "1", "--pairs", "1", "3", "--recall-steps", "1", "--recall-seqlen", "8", "--recall-keys", "4"]
+
+
+def test_plot_changes_nothing_in_the_json_and_the_headline_and_tables_are_in_it(tmp_path, real_data):
+    results = []
+    for plot in ([], ["--plot", str(tmp_path / "linear.png")]):
+        mla.main(QUICK + ["--data", real_data_path(), "--json", str(tmp_path / "linear.json")] + plot)
+        results.append(json.loads((tmp_path / "linear.json").read_text()))
+    assert results[0].keys() == results[1].keys()
+    assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
+    assert results[0]["headline"]["technique"].startswith("linear attention, gated, Gated DeltaNet and a 3:1 hybrid")
+    assert "; at 16 tokens cache " in results[0]["headline"]["figure"]
+    assert "recall at 3 pairs: softmax " in results[0]["headline"]["figure"]
+    titles = [t["title"] for t in results[0]["tables"]]
+    assert titles[0].startswith("Cache per sequence and TPOT") and titles[1].startswith("Associative recall (MQAR)")
+
+
+@pytest.mark.parametrize("flag", ["--contexts", "--batch-size", "--n-tokens", "--recall-seqlen", "--recall-keys"])
+def test_huge_sizes_are_parser_errors_naming_the_flag_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        mla.main(["--untrained", "--device", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2
+    assert f"error: {flag}: " in capsys.readouterr().err

@@ -242,3 +242,18 @@ def test_main_moba_bad_flags_are_clear_errors_before_any_work(flags, capsys, mon
         main_moba.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_main_moba_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, tmp_path, monkeypatch,
+                                                                              one_batch_validation):
+    monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path / "checkpoints")
+    results = []
+    for plot in ([], ["--plot", str(tmp_path / "moba.png")]):
+        main_moba.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--top-k", "1",
+                        "--no-flex", "--json", str(tmp_path / "moba.json")] + plot)
+        results.append(json.loads((tmp_path / "moba.json").read_text()))
+    assert results[0].keys() == results[1].keys()
+    assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
+    assert results[0]["headline"] == results[1]["headline"]  # losses of fixed seeds: the same in both runs
+    assert results[0]["headline"]["technique"] == "MoBA, blocks of 16, 1 uptraining steps"
+    assert results[0]["headline"]["figure"].startswith("loss against dense at inference only / uptrained: top-1 (")

@@ -176,3 +176,24 @@ def test_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
         msa.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, tmp_path):
+    results = []
+    for plot in ([], ["--plot", str(tmp_path / "sa.png")]):
+        msa.main(["--untrained", "--device", "cpu", "--val-batches", "1", "--prompt-len", "8", "--n-tokens", "2",
+                  "--batch-size", "1", "--bench-len", "32", "--repeats", "1", "--json", str(tmp_path / "sa.json")] + plot)
+        results.append(json.loads((tmp_path / "sa.json").read_text()))
+    assert results[0].keys() == results[1].keys()
+    assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
+    assert results[0]["headline"]["technique"].startswith("SageAttention: INT8 Q and K per block")
+    assert "(INT8)" in results[0]["headline"]["figure"] and all(results[0]["checks"].values())
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens", "--bench-len"])
+def test_huge_sizes_are_parser_errors_naming_the_flag_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        msa.main(["--untrained", "--device", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2
+    assert f"error: {flag}: " in capsys.readouterr().err

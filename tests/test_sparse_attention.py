@@ -1,11 +1,13 @@
 """kv_budget and main_sparse_attention on tiny models: every method at a full budget is dense attention
 (tokens of generate_kvcache and generate, logits of the full forward pass), each method's choice against
 one computed here, Quest's bound, the budget held, and the bad-input errors."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lib import kv_budget as kb
+from lib import harness, kv_budget as kb
 import main_sparse_attention as msa
 from conftest import TINY
 from gptlite import generate
@@ -297,3 +299,26 @@ def test_a_budget_cache_without_a_window_is_a_clear_error(tiny_models):
     cache = kb.BudgetCache(len(base.blocks)).use(kb.SlidingWindow(4), base)
     kv_cache_view(base)(torch.randint(65, (1, 3)), kv_cache=cache)
     assert cache.max_seqlen == TINY["seqlen"] and len(cache) == 3
+
+
+def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, tmp_path):
+    results = []
+    for plot in ([], ["--plot", str(tmp_path / "sp.png")]):
+        msa.main(["--untrained", "--device", "cpu", "--budgets", "16", "--n-windows", "1", "--n-prompts", "1",
+                  "--n-tokens", "4", "--stream-chars", "1000", "--time-tokens", "4", "--repeats", "1",
+                  "--json", str(tmp_path / "sp.json")] + plot)
+        results.append(json.loads((tmp_path / "sp.json").read_text()))
+    assert results[0].keys() == results[1].keys()
+    assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
+    assert results[0]["headline"]["technique"].endswith("budget 16 of 128")
+    assert results[0]["headline"]["figure"].startswith("loss against dense: window ")
+    assert results[0]["tables"][0]["title"].startswith("streaming 1000 validation characters")
+
+
+@pytest.mark.parametrize("flag", ["--n-windows", "--n-prompts", "--n-tokens", "--stream-chars"])
+def test_huge_sizes_are_parser_errors_naming_the_flag_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        msa.main(["--untrained", "--device", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2
+    assert f"error: {flag}: " in capsys.readouterr().err

@@ -296,3 +296,34 @@ def test_bad_flags_are_refused_before_any_work(real_data, argv, message, capsys)
     with pytest.raises(SystemExit):
         msd.main(["--untrained", *argv])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, tmp_path):
+    results = []
+    for plot in ([], ["--plot", str(tmp_path / "sd.png")]):
+        msd.main(["--untrained", "--n-outputs", "1", "--repeats", "1", "--json", str(tmp_path / "sd.json")] + plot)
+        results.append(json.loads((tmp_path / "sd.json").read_text()))
+    assert results[0].keys() == results[1].keys()
+    assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
+    assert results[0]["headline"]["technique"] == "structured decoding (XGrammar), jump-forward"
+    assert results[0]["headline"]["figure"].startswith("play turns accepted: ")
+
+
+def test_failed_checks_stop_before_anything_is_timed_or_written(real_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(msd, "check_outputs", lambda *args: {"outputs equal": False})
+    runs, run_variant = [], msd.run_variant
+    monkeypatch.setattr(msd, "run_variant", lambda *args: runs.append(args) or run_variant(*args))
+    out = tmp_path / "sd.json"
+    with pytest.raises(msd.harness.GPTliteError, match="checks failed: play turn"):
+        msd.main(["--untrained", "--n-outputs", "1", "--repeats", "1", "--json", str(out)])
+    assert len(runs) == 3 * len(msd.VARIANTS)  # the checked first run of each grammar and variant, no timed round
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--n-outputs", "--max-lines", "--max-line-chars"])
+def test_huge_sizes_are_parser_errors_naming_the_flag_before_any_work(flag, capsys, monkeypatch):
+    monkeypatch.setattr(msd.harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        msd.main(["--untrained", "--device", "cpu", flag, "1000000000000"])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
