@@ -199,7 +199,7 @@ def parse_args(argv):
                      f"started {distributed.world_size()}: use --nproc-per-node 2 (or --nnodes 2 with 1 each)")
 
     def check_args(preset):
-        serving.check_trace_args(args, parser, preset.seqlen)
+        serving.check_trace_args(parser, preset.seqlen, args.prompt_median, args.output_median, args.rate)
         if args.block_size > preset.seqlen:
             parser.error(f"--block-size must be at most seqlen={preset.seqlen}, got {args.block_size}")
         device, local = harness.get_device(args.device), int(os.environ.get("LOCAL_WORLD_SIZE", 2))

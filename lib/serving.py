@@ -224,10 +224,11 @@ def add_trace_args(parser, n_requests=64, rate=None):
                         help="runs of the trace per variant, round-robin, after a warm-up; each figure is the median")
 
 
-def check_trace_args(args, parser, seqlen):
-    if not getattr(args, "rate", 1) > 0:  # inf is allowed: every request at time 0
-        parser.error(f"--rate must be above 0 requests per second, got {args.rate}")
-    for flag, value in [("--prompt-median", args.prompt_median), ("--output-median", args.output_median)]:
+def check_trace_args(parser, seqlen, prompt_median, output_median, rate=None):
+    """The trace's flags against the window (rate None: an offline trace, no --rate flag); parser.error."""
+    if rate is not None and not rate > 0:  # inf is allowed: every request at time 0
+        parser.error(f"--rate must be above 0 requests per second, got {rate}")
+    for flag, value in [("--prompt-median", prompt_median), ("--output-median", output_median)]:
         if value >= seqlen:
             parser.error(f"{flag} must be between 1 and seqlen-1={seqlen - 1}, got {value}")
 
@@ -242,13 +243,14 @@ def add_sharing_args(parser):
                         help="--prefix-sharing: seconds between a conversation's turns")
 
 
-def check_sharing_args(args, parser, seqlen):
-    window = seqlen - args.system_len  # what the system prompt leaves to a question and its answer
-    if not args.prompt_median < window > args.output_median:
-        parser.error(f"--system-len {args.system_len} leaves {window} tokens of seqlen={seqlen}: --prompt-median "
+def check_sharing_args(parser, seqlen, system_len, turns, n_requests, prompt_median, output_median):
+    """The prefix-sharing traces' flags against the window; parser.error."""
+    window = seqlen - system_len  # what the system prompt leaves to a question and its answer
+    if not prompt_median < window > output_median:
+        parser.error(f"--system-len {system_len} leaves {window} tokens of seqlen={seqlen}: --prompt-median "
                      "and --output-median must be below it")
-    if args.output_median >= seqlen // args.turns:
-        parser.error(f"--output-median must be below seqlen / --turns = {seqlen // args.turns} so that every turn "
+    if output_median >= seqlen // turns:
+        parser.error(f"--output-median must be below seqlen / --turns = {seqlen // turns} so that every turn "
                      "has a message")
-    if args.n_requests < args.turns:
-        parser.error(f"--n-requests must be at least --turns={args.turns} (one conversation)")
+    if n_requests < turns:
+        parser.error(f"--n-requests must be at least --turns={turns} (one conversation)")
