@@ -1,7 +1,7 @@
 """Continuous batching, and a small serving engine with a paged KV cache and chunked prefill, on one trace.
 
     python main_continuous_batching.py                     # cpu preset on CPU, gptlite on CUDA
-    python main_continuous_batching.py --rate 50 --batch-size 8 --plot batching.png --json batching.json
+    python main_continuous_batching.py --rate 50 --batch-size 8 --sweep-batch-sizes 2 4 8 16 --plot batching.png --json batching.json
     python main_continuous_batching.py --untrained --n-requests 8
     python main_continuous_batching.py --prefix-sharing    # a shared system prompt, multi-turn: sharing off / on
 
@@ -24,19 +24,16 @@ paged pool (allocated blocks) and for a contiguous cache that reserves seqlen sl
 prefix sharing (vLLM's automatic prefix caching: full KV blocks shared by their chained hash):
 requests after one system prompt, and conversations whose every turn resends the conversation so far.
 """
-import argparse
 from collections import deque
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import inference_utils as iu
 from lib import serving
 from gptlite import GPTlite
 from main_static_batching import next_tokens, static_batching
 from lib.paged_engine import PagedEngine
-from lib.errors import GPTliteError
 from lib import harness, training
 
 
@@ -67,19 +64,19 @@ def continuous_batching(model, requests, batch_size, seqlen, clock=None):
     return sequences, n_steps
 
 
-VARIANTS = ("static", "continuous", "paged", "chunked", "shared")  # --variants: run_variants' variants
+VARIANTS = ("static", "continuous", "paged", "chunked", "shared")  # --variants: make_variants' variants
+LONG_PROMPT_CHUNKS = 4  # a median prompt of this many chunks or more: the headline of chunked prefill
 
 
-def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, memory=False, names=None,
-                 clock_figures=None):
-    """Each variant on the trace (`names`, default --variants): {name: [(outputs, figures) per run]};
-    with `memory`, one more (untimed) run of each variant gives its peak memory, figures["peak_mem_mb"];
-    clock_figures(clock): more figures of a run from its clock."""
-    n_blocks = args.n_blocks or batch_size * seqlen // args.block_size  # the memory of a contiguous cache
+def make_variants(base, batch_size, seqlen, block_size, chunk_size, n_blocks=None, names=VARIANTS[:4]):
+    """{row name: serve(requests, clock) -> (outputs, figures)} of the variants `names`, in that order, all with
+    `batch_size` slots; the paged ones with a pool of n_blocks blocks of block_size tokens (default: the memory
+    of a contiguous cache, batch_size * seqlen tokens) and chunk_size prefill tokens per step when chunked."""
+    n_blocks = n_blocks or batch_size * seqlen // block_size
 
-    def engine(chunk_size, prefix_sharing=False):
+    def engine(chunk, prefix_sharing=False):
         def serve(requests, clock):
-            eng = PagedEngine(base, n_blocks, args.block_size, batch_size, chunk_size, prefix_sharing)
+            eng = PagedEngine(base, n_blocks, block_size, batch_size, chunk, prefix_sharing)
             outputs, _ = eng.generate(requests, seqlen, clock)
             return outputs, dict(kv_cache_mb=eng.runner.nbytes / 2**20, **eng.stats)
         return serve
@@ -88,23 +85,36 @@ def run_variants(base, requests, arrivals, batch_size, args, seqlen, device, mem
         "static": ("static batching", lambda r, c: (static_batching(base, r, batch_size, seqlen, c)[0], {})),
         "continuous": ("continuous batching", lambda r, c: (continuous_batching(base, r, batch_size, seqlen, c)[0], {})),
         "paged": ("paged, whole prompts", engine(None)),
-        "chunked": (f"paged, chunked prefill {args.chunk_size}", engine(args.chunk_size)),
-        "shared": (f"paged, chunked prefill {args.chunk_size}, prefix sharing", engine(args.chunk_size, True)),
+        "chunked": (f"paged, chunked prefill {chunk_size}", engine(chunk_size)),
+        "shared": (f"paged, chunked prefill {chunk_size}, prefix sharing", engine(chunk_size, True)),
     }
-    variants = dict(variants[key] for key in names or args.variants)  # the subset asked for, in this order
-    for serve in variants.values():
-        serve(requests[:2], serving.ServingClock.offline(requests[:2], device))  # warm-up
+    return dict(variants[key] for key in names)
+
+
+def check_variants(variants, trace, device, label=""):
+    """One untimed run of each variant on the trace (requests, arrivals, reference), also the warm-up:
+    {check name: every request's tokens equal generating it alone}."""
+    requests, arrivals, reference = trace
+    return {f"{label}{name}: every request's tokens equal generating it alone": serving.same_outputs(
+        serve(requests, serving.ServingClock(arrivals, [n for _, n in requests], device))[0], reference) == "yes"
+        for name, serve in variants.items()}
+
+
+def run_variants(variants, trace, repeats, device, memory=False, clock_figures=None):
+    """Each checked variant on the trace, `repeats` rounds round-robin (iu.time_round_robin, each run on its
+    own serving clock): {name: [(outputs, figures) per run]}; with `memory`, one more (untimed) run of each
+    variant gives its peak memory, figures["peak_mem_mb"]; clock_figures(clock): more figures of a run."""
+    requests, arrivals, _ = trace
     results = {name: [] for name in variants}
-    bar = tqdm(total=args.repeats * len(variants), desc=f"trace runs, batch {batch_size}", dynamic_ncols=True)
-    for _ in range(args.repeats):  # round-robin: a slow moment of the machine falls on every variant alike
-        for name, serve in variants.items():
-            bar.set_postfix_str(name)
-            clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
-            outputs, extra = serve(requests, clock)
-            more = clock_figures(clock) if clock_figures else {}
-            results[name].append((outputs, serving.latency_figures(clock) | extra | more))
-            bar.update()
-    bar.close()
+
+    def run(name, serve):
+        clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
+        outputs, extra = serve(requests, clock)
+        more = clock_figures(clock) if clock_figures else {}
+        results[name].append((outputs, serving.latency_figures(clock) | extra | more))
+
+    iu.time_round_robin({name: lambda name=name, serve=serve: run(name, serve) for name, serve in variants.items()},
+                        device, warmup=0, repeats=repeats)  # the check round warmed every variant up
     for name, serve in variants.items() if memory else ():
         clock = serving.ServingClock(arrivals, [n for _, n in requests], device)
         peak = iu.peak_memory_mb(lambda: serve(requests, clock), device)  # noqa: B023  (called at once)
@@ -149,7 +159,8 @@ def sharing_rows(trace, results, reference):
 
 def prefix_sharing_experiment(base, data, args, seqlen, device):
     """The system-prompt and the multi-turn traces through the engine with chunked prefill, without and
-    with prefix sharing, round-robin. Returns the rows, the summary lines and the traces' sizes."""
+    with prefix sharing, round-robin; every variant of every trace checked before anything is timed.
+    Returns the rows, the summary lines and the traces' sizes."""
     cached = iu.kv_cache_model(base)
     system = serving.make_shared_prefix_trace(data.val, args.n_requests, args.rate, seqlen, args.system_len,
                                               args.prompt_median, args.output_median, seed=args.seed, device=device)
@@ -157,15 +168,18 @@ def prefix_sharing_experiment(base, data, args, seqlen, device):
                                                      args.rate, args.think_time, seqlen, args.output_median,
                                                      seed=args.seed, device=device)
     early = lambda clock: {"early": serving.early_turns(clock, previous)}  # noqa: E731
-    roomy = argparse.Namespace(**vars(args) | {"n_blocks": previous.count(None) * seqlen // args.block_size})
-    system, turns = [(*t, serving.reference_outputs(cached, t[0], seqlen)) for t in (system, turns)]  # checks first
+    roomy_blocks = previous.count(None) * seqlen // args.block_size  # a pool for every conversation
+    system, turns = [(*t, serving.reference_outputs(cached, t[0], seqlen)) for t in (system, turns)]
+    variants = lambda names, n_blocks=args.n_blocks: make_variants(  # noqa: E731
+        base, args.batch_size, seqlen, args.block_size, args.chunk_size, n_blocks, names)
+    experiments = [("system prompt", system, None, variants(("chunked", "shared"))),
+                   ("multi-turn", turns, early, variants(("chunked", "shared"))),
+                   (f"multi-turn, {roomy_blocks} blocks", turns, early, variants(("shared",), roomy_blocks))]
+    harness.require_checks({check: ok for trace, t, _, v in experiments  # checks first
+                            for check, ok in check_variants(v, t, device, f"{trace}: ").items()})
     rows, lines, early_turns, off = [], [], 0, None
-    for trace, (requests, arrivals, reference), figures, pool, names in (  # roomy: a pool for every conversation
-            ("system prompt", system, None, args, ("chunked", "shared")),
-            ("multi-turn", turns, early, args, ("chunked", "shared")),
-            (f"multi-turn, {roomy.n_blocks} blocks", turns, early, roomy, ("shared",))):
-        results = run_variants(base, requests, arrivals, args.batch_size, pool, seqlen, device, names=names,
-                               clock_figures=figures)
+    for trace, (requests, arrivals, reference), figures, v in experiments:
+        results = run_variants(v, (requests, arrivals, reference), args.repeats, device, clock_figures=figures)
         early_turns = max([early_turns] + [f.get("early", 0) for runs in results.values() for _, f in runs])
         *maybe_off, on = sharing_rows(trace, results, reference)
         off = maybe_off[0] if maybe_off else off  # the roomy pool is compared with the default one
@@ -177,30 +191,26 @@ def prefix_sharing_experiment(base, data, args, seqlen, device):
                      f"{on['kv_blocks_peak']} with; hit rate {on['hit_rate']:.0%}")
     lines.append(f"multi-turn: {early_turns} of {len(previous) - previous.count(None)} later turns arrived before the "
                  f"previous turn's answer ended (think time {args.think_time:g} s; most in any run)")
-    return rows, lines, dict(roomy_blocks=roomy.n_blocks, prompt_lens={
+    return rows, lines, dict(roomy_blocks=roomy_blocks, prompt_lens={
         "system_prompt": [len(p) for p, _ in system[0]], "multi_turn": [len(p) for p, _ in turns[0]]})
 
 
 def run_prefix_sharing(base, data, args, preset, device):
-    """--prefix-sharing: the table of prefix sharing, checks before anything is written."""
+    """--prefix-sharing: the table of prefix sharing, checks before anything is timed or written."""
     rows, summary, extra = prefix_sharing_experiment(base, data, args, preset.seqlen, device)
+    harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes" for r in rows})
     print(f"\n{args.n_requests} requests at {args.rate:g}/s after a {args.system_len}-token system prompt; "
           f"{args.n_requests // args.turns} conversations of {args.turns} turns, {args.think_time:g} s apart. Engine: "
           f"chunked prefill {args.chunk_size}, batch size {args.batch_size}, KV blocks of {args.block_size} tokens; "
           f"median of {args.repeats} runs, round-robin. hit_rate: prompt tokens found cached / prompt tokens; "
           "kv_blocks: blocks held by sequences (a shared one once), mean over steps and peak; cow: copies on write")
-    harness.print_table(rows, untrained=args.untrained)
-    print("\n".join(summary))
-    failures = [r["variant"] for r in rows if r["same"] != "yes"]
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
-    if args.json:
-        harness.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
-                     summary=summary, batch_size=args.batch_size, block_size=args.block_size,
-                     system_len=args.system_len, turns=args.turns, think_time=args.think_time, **extra)
+    harness.report(args, "main_continuous_batching.py", preset, device, rows,
+                   prefix_sharing_headline(rows, args.system_len, args.turns, extra["roomy_blocks"]), summary=summary,
+                   batch_size=args.batch_size, block_size=args.block_size, system_len=args.system_len,
+                   turns=args.turns, think_time=args.think_time, **extra)
 
 
-def plot_sweep(sweep, path, preset, device, rate):
+def plot_sweep(sweep, preset, device, rate):
     fig, (ax_tput, ax_tpot) = harness.new_figure(2)
     for name, points in sweep["variants"].items():
         ax_tput.plot(sweep["batch_sizes"], points["tokens_per_s"], marker="o", label=name)
@@ -212,28 +222,83 @@ def plot_sweep(sweep, path, preset, device, rate):
     ax_tput.set(ylabel="throughput (new tokens / s of steps)", title=f"preset {preset.name}, {device}, rate {rate:g}/s")
     ax_tpot.set(ylabel="p99 TPOT (ms)", title="p99 TPOT, from arrival")
     ax_tput.legend()
-    harness.save_plot(fig, path)
+    return fig
 
 
-def summary_lines(rows, args, device):
+def summary_lines(rows, chunk_size, device):
     """The ratios of the post's claims, where the variants they compare were run."""
     by_name = {r["variant"]: r for r in rows}
     lines = [iu.peak_memory_label(device)]
     if {"static batching", "continuous batching"} <= set(by_name):
         speedup = iu.ratio(by_name["continuous batching"]["tokens_per_s"], by_name["static batching"]["tokens_per_s"])
-        lines.append(f"continuous / static throughput: {speedup:.2f}x")
-    chunked = f"paged, chunked prefill {args.chunk_size}"
+        lines.append(f"continuous / static throughput: {'-' if speedup is None else format(speedup, '.2f')}x")
+    chunked = f"paged, chunked prefill {chunk_size}"
     if {"paged, whole prompts", chunked} <= set(by_name):
         lines.append(f"p99 TPOT whole prompts {by_name['paged, whole prompts']['tpot_p99_ms']:.2f} ms, "
                      f"chunked prefill {by_name[chunked]['tpot_p99_ms']:.2f} ms")
     return lines
 
 
-def batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device):
-    """Throughput and p99 TPOT of every variant at each --plot-batch-sizes; returns the sweep and its rows."""
-    sweep, rows = {"batch_sizes": sorted(args.plot_batch_sizes), "variants": {}}, []
-    for batch_size in sweep["batch_sizes"]:
-        for row in make_rows(run_variants(base, requests, arrivals, batch_size, args, seqlen, device), reference):
+def x(a, b, fmt="{:.1f}x"):
+    """a / b as a ratio, '-' where either could not be measured."""
+    value = iu.ratio(a, b)
+    return "-" if value is None else fmt.format(value)
+
+
+def pct(value):
+    return "-" if value is None else f"{value:.0%}"
+
+
+def headline(rows, requests, batch_size, chunk_size):
+    """The README's one-glance row, from this run's rows. A trace whose median prompt spans LONG_PROMPT_CHUNKS
+    chunks or more (main_continuous_batching_long_prompts: --prompt-median 80): chunked against whole-prompt
+    prefill; otherwise continuous against static batching and the paged cache's utilization; where the run
+    lacks the variants a headline compares (--variants), each variant's throughput."""
+    by_name = {r["variant"]: r for r in rows}
+    median = iu.median([len(p) for p, _ in requests])
+    whole, chunked = by_name.get("paged, whole prompts"), by_name.get(f"paged, chunked prefill {chunk_size}")
+    static, cont = by_name.get("static batching"), by_name.get("continuous batching")
+    if median >= LONG_PROMPT_CHUNKS * chunk_size and whole and chunked:
+        ms = lambda row, key, fmt: "-" if row[key] is None else fmt.format(row[key])  # noqa: E731
+        return {"technique": f"chunked prefill, trace with long prompts (median {median:.0f} tokens)",
+                "figure": f"p99 TPOT {ms(chunked, 'tpot_p99_ms', '{:.1f}')} ms chunked against "
+                          f"{ms(whole, 'tpot_p99_ms', '{:.1f}')} ms whole-prompt; p50 TTFT "
+                          f"{ms(chunked, 'ttft_arrival_ms', '{:.0f}')} against {ms(whole, 'ttft_arrival_ms', '{:.0f}')} ms"}
+    technique = (f"continuous vs static batching, paged KV cache: {len(requests)}-request trace, batch {batch_size}")
+    if static and cont and whole:
+        return {"technique": technique,
+                "figure": f"throughput {x(cont['tokens_per_s'], static['tokens_per_s'], '{:.2f}x')} ({cont['steps']} "
+                          f"steps against {static['steps']}); the paged cache fills {pct(whole['kv_util'])} of its "
+                          f"reserved slots, a contiguous max-length reservation {pct(whole['kv_contig'])}"}
+    return {"technique": technique, "figure": "throughput " + ", ".join(
+        f"{r['variant']} {x(r['tokens_per_s'], 1, '{:.0f}')} tok/s" for r in rows)}
+
+
+def prefix_sharing_headline(rows, system_len, turns, roomy_blocks):
+    """--prefix-sharing's one-glance row, from this run's rows."""
+    by_name = {r["variant"]: r for r in rows}
+    off, on = by_name["system prompt, no sharing"], by_name["system prompt, prefix sharing"]
+    turns_off, turns_on = by_name["multi-turn, no sharing"], by_name["multi-turn, prefix sharing"]
+    roomy = by_name[f"multi-turn, {roomy_blocks} blocks, prefix sharing"]
+    return {"technique": f"prefix sharing in the paged engine: {system_len}-token system prompt, {turns}-turn "
+                         "conversations",
+            "figure": f"p50 TTFT {x(off['ttft_arrival_ms'], on['ttft_arrival_ms'])} lower with shared blocks (hit "
+                      f"rate {on['hit_rate']:.0%}, peak KV blocks in use {off['kv_blocks_peak']} -> "
+                      f"{on['kv_blocks_peak']}); multi-turn {x(turns_off['ttft_arrival_ms'], turns_on['ttft_arrival_ms'])}"
+                      f" (hit rate {turns_on['hit_rate']:.0%}), {x(turns_off['ttft_arrival_ms'], roomy['ttft_arrival_ms'])}"
+                      f" with a pool of {roomy_blocks} blocks (hit rate {roomy['hit_rate']:.0%}); identical tokens"}
+
+
+def batch_size_sweep(base, trace, args, seqlen, device):
+    """--sweep-batch-sizes: throughput and p99 TPOT of every variant at each batch size, every variant
+    checked at every batch size before any is timed; returns the sweep and its rows."""
+    sweep, rows = {"batch_sizes": sorted(args.sweep_batch_sizes), "variants": {}}, []
+    variants = {b: make_variants(base, b, seqlen, args.block_size, args.chunk_size, args.n_blocks, args.variants)
+                for b in sweep["batch_sizes"]}
+    harness.require_checks({check: ok for b, v in variants.items()
+                            for check, ok in check_variants(v, trace, device, f"sweep, batch {b}: ").items()})
+    for batch_size, v in variants.items():
+        for row in make_rows(run_variants(v, trace, args.repeats, device), trace[2]):
             rows.append(row)
             points = sweep["variants"].setdefault(row["variant"], {"tokens_per_s": [], "tpot_p99_ms": []})
             points["tokens_per_s"].append(row["tokens_per_s"])
@@ -242,6 +307,7 @@ def batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device):
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64, rate=200.0)
     at_least = harness.int_at_least
@@ -254,8 +320,9 @@ def parse_args(argv):
                         help="the variants to run (default: all but shared): static and continuous batching (the "
                              "post's, no cache), the paged engine with whole prompts, with chunked prefill, with "
                              "chunked prefill and prefix sharing")
-    parser.add_argument("--plot-batch-sizes", type=at_least(1), nargs="+", default=[2, 4, 8, 16],
-                        help="batch sizes of the --plot sweep")
+    parser.add_argument("--sweep-batch-sizes", type=at_least(1), nargs="+", default=None,
+                        help="also run every variant at each of these batch sizes: the JSON's sweep, the throughput "
+                             "and p99 TPOT curves that --plot draws")
     parser.add_argument("--prefix-sharing", action="store_true",
                         help="instead: a trace whose requests share a system prompt and a multi-turn trace, each "
                              "through the engine with chunked prefill, without and with prefix sharing")
@@ -263,65 +330,80 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.variants is not None and len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants repeats a name: {args.variants}")
-    if args.prefix_sharing and (args.variants is not None or args.plot):
-        parser.error("--prefix-sharing runs its own two variants and has no plot: drop --variants and --plot")
+    if args.prefix_sharing and (args.variants is not None or args.plot or args.sweep_batch_sizes):
+        parser.error("--prefix-sharing runs its own two variants and has no plot: drop --variants, --plot and "
+                     "--sweep-batch-sizes")
+    if args.plot and not args.sweep_batch_sizes:
+        parser.error("--plot draws the batch-size sweep, which only --sweep-batch-sizes measures: add it, "
+                     "e.g. --sweep-batch-sizes 2 4 8 16")
     args.variants = args.variants or list(VARIANTS[:4])
-    return parser, args
+    return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
+
+
+def check_args(args, parser, preset):
+    serving.check_trace_args(parser, preset.seqlen, args.prompt_median, args.output_median, args.rate)
+    if args.block_size > preset.seqlen:
+        parser.error(f"--block-size must be at most seqlen={preset.seqlen}, got {args.block_size}")
+    if args.n_blocks is not None and args.n_blocks * args.block_size < preset.seqlen - 1:
+        need = -(-(preset.seqlen - 1) // args.block_size)
+        parser.error(f"--n-blocks {args.n_blocks} of {args.block_size} tokens cannot hold one request of the "
+                     f"window seqlen={preset.seqlen}: give at least {need} blocks")
+    if args.prefix_sharing:
+        serving.check_sharing_args(parser, preset.seqlen, args.system_len, args.turns, args.n_requests,
+                                   args.prompt_median, args.output_median)
+    kv_per_token = 2 * preset.n_layers * preset.n_heads * preset.d_head * 4  # a paged pool's float32 K and V
+    for flag, batch in [("--batch-size", args.batch_size)] + [("--sweep-batch-sizes", b)
+                                                              for b in args.sweep_batch_sizes or ()]:
+        harness.check_fits(parser, flag, serving.forward_bytes(preset, batch) + batch * preset.seqlen * kv_per_token,
+                           f"a batch of {batch} through the model and its KV pool")
+    if args.n_blocks is not None:
+        harness.check_fits(parser, "--n-blocks", args.n_blocks * args.block_size * kv_per_token,
+                           f"a pool of {args.n_blocks} blocks of {args.block_size} tokens")
+    copies = 2 + args.repeats * (3 if args.prefix_sharing else len(args.variants))  # the outputs of every run are kept
+    harness.check_fits(parser, "--n-requests", serving.trace_bytes(preset, args.n_requests, copies),
+                       f"a trace of {args.n_requests} requests, their reference and the outputs of every run")
 
 
 def main(argv=None):
-    parser, args = parse_args(argv)
-
-    def check_args(preset):
-        serving.check_trace_args(args, parser, preset.seqlen)
-        if args.block_size > preset.seqlen:
-            parser.error(f"--block-size must be at most seqlen={preset.seqlen}, got {args.block_size}")
-        if args.n_blocks is not None and args.n_blocks * args.block_size < preset.seqlen - 1:
-            need = -(-(preset.seqlen - 1) // args.block_size)
-            parser.error(f"--n-blocks {args.n_blocks} of {args.block_size} tokens cannot hold one request of the "
-                         f"window seqlen={preset.seqlen}: give at least {need} blocks")
-        if args.prefix_sharing:
-            serving.check_sharing_args(args, parser, preset.seqlen)
-
-    preset, device, data = harness.setup(args, parser, check_args)
+    args, preset, device, data = parse_args(argv)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     if args.prefix_sharing:
         return run_prefix_sharing(base, data, args, preset, device)
     seqlen = preset.seqlen
     requests, arrivals = serving.make_trace(data.val, args.n_requests, args.rate, seqlen, args.prompt_median,
                                             args.output_median, seed=args.seed, device=device)
-    reference = serving.reference_outputs(iu.kv_cache_model(base), requests, seqlen)  # correctness first
+    trace = (requests, arrivals, serving.reference_outputs(iu.kv_cache_model(base), requests, seqlen))
+    variants = make_variants(base, args.batch_size, seqlen, args.block_size, args.chunk_size, args.n_blocks,
+                             args.variants)
+    harness.require_checks(check_variants(variants, trace, device))  # correctness first: nothing timed before
     val_loss = training.validation_loss(base, data)
 
-    results = run_variants(base, requests, arrivals, args.batch_size, args, seqlen, device, memory=True)
-    rows = make_rows(results, reference)
+    rows = make_rows(run_variants(variants, trace, args.repeats, device, memory=True), trace[2])
+    sweep, sweep_rows = batch_size_sweep(base, trace, args, seqlen, device) if args.sweep_batch_sizes else (None, [])
+    harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes" for r in rows + sweep_rows})
     prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
-    print(f"\ntrace: {len(requests)} requests, Poisson arrivals at {args.rate:g}/s over {arrivals[-1]:.2f} s, "
-          f"prompt lengths p50/p99/max {np.percentile(prompt_lens, 50):.0f}/{np.percentile(prompt_lens, 99):.0f}/"
-          f"{max(prompt_lens)}, output lengths {np.percentile(output_lens, 50):.0f}/{np.percentile(output_lens, 99):.0f}/"
-          f"{max(output_lens)}; batch size {args.batch_size}, KV blocks of {args.block_size} tokens; "
-          f"validation loss {val_loss:.4f} (one model for every variant)")
-    print(f"median of {args.repeats} runs per variant, round-robin. TTFT arrival: p50 over requests from their "
-          "arrival, queueing included (then its p99); TPOT p50 and p99 over requests; tok/s: new tokens per second "
-          "of steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved, summed over "
-          "steps (paged pool: allocated blocks); kv_contig: the same against seqlen slots per running sequence")
-    harness.print_table(rows, untrained=args.untrained)
-    summary = summary_lines(rows, args, device)
-    print("\n".join(summary))
+    print(trace_line(args, arrivals, prompt_lens, output_lens, val_loss))
+    harness.report(args, "main_continuous_batching.py", preset, device, rows,
+                   headline(rows, requests, args.batch_size, args.chunk_size),
+                   summary=summary_lines(rows, args.chunk_size, device), plot=lambda: plot_sweep(sweep, preset, device,
+                                                                                                 args.rate),
+                   val_loss=val_loss, trace={"n_requests": len(requests), "arrivals": arrivals,
+                                             "rate": args.rate if np.isfinite(args.rate) else "inf",
+                                             "prompt_lens": prompt_lens, "output_lens": output_lens},
+                   batch_size=args.batch_size, block_size=args.block_size, sweep=sweep)
 
-    sweep, sweep_rows = None, []
-    if args.plot:
-        sweep, sweep_rows = batch_size_sweep(base, requests, arrivals, reference, args, seqlen, device)
-        plot_sweep(sweep, args.plot, preset, device, args.rate)
-    if args.json:
-        harness.save_json(args.json, "main_continuous_batching.py", preset, device, rows, untrained=args.untrained,
-                     val_loss=val_loss, summary=summary,
-                     trace={"n_requests": len(requests), "rate": args.rate if np.isfinite(args.rate) else "inf",
-                            "arrivals": arrivals, "prompt_lens": prompt_lens, "output_lens": output_lens},
-                     batch_size=args.batch_size, block_size=args.block_size, sweep=sweep)
-    failures = sorted({r["variant"] for r in rows + sweep_rows if r["same"] != "yes"})
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+
+def trace_line(args, arrivals, prompt_lens, output_lens, val_loss):
+    """What the trace was, and what the columns mean: printed above the table."""
+    return (f"\ntrace: {len(prompt_lens)} requests, Poisson arrivals at {args.rate:g}/s over {arrivals[-1]:.2f} s, "
+            f"prompt lengths p50/p99/max {np.percentile(prompt_lens, 50):.0f}/{np.percentile(prompt_lens, 99):.0f}/"
+            f"{max(prompt_lens)}, output lengths {np.percentile(output_lens, 50):.0f}/"
+            f"{np.percentile(output_lens, 99):.0f}/{max(output_lens)}; batch size {args.batch_size}, KV blocks of "
+            f"{args.block_size} tokens; validation loss {val_loss:.4f} (one model for every variant)\n"
+            f"median of {args.repeats} runs per variant, round-robin. TTFT arrival: p50 over requests from their "
+            "arrival, queueing included (then its p99); TPOT p50 and p99 over requests; tok/s: new tokens per second "
+            "of steps; wasted: batch rows whose token was dropped; kv_util: tokens held / slots reserved, summed over "
+            "steps (paged pool: allocated blocks); kv_contig: the same against seqlen slots per running sequence")
 
 
 if __name__ == "__main__":

@@ -146,13 +146,26 @@ def summary_lines(rows):
     return lines
 
 
+def headline(rows):
+    """The README's one-glance row, from this run's rows: p99 TPOT and p50 TTFT of the split against colocated."""
+    _, whole, chunked, split = rows
+    ms = lambda row, key: "-" if row[key] is None else f"{row[key]:.1f}"  # noqa: E731
+    kv = "-" if split["kv_sent_KB"] is None else f"{split['kv_sent_KB']:.0f}"
+    send = "-" if split["send_ms"] is None else f"{split['send_ms']:.2f}"
+    return {"technique": "disaggregated prefill and decode, 2 gloo workers against the colocated paged engine, "
+                         "equal CPU",
+            "figure": f"p99 TPOT {ms(split, 'tpot_p99_ms')} ms against {ms(whole, 'tpot_p99_ms')} colocated "
+                      f"({ms(chunked, 'tpot_p99_ms')} chunked); p50 TTFT {ms(split, 'ttft_arrival_ms')} against "
+                      f"{ms(whole, 'ttft_arrival_ms')} ms; {kv} KB of KV per request, sent in {send} ms; the same tokens"}
+
+
 def per_request(clock):
     ttft = [(f - a) * 1e3 for f, a in zip(clock.first, clock.arrivals)]
     tpot = [(l - f) * 1e3 / (n - 1) for f, l, n in zip(clock.first, clock.last, clock.n_tokens) if n > 1]
     return ttft, tpot
 
 
-def plot_cdfs(clocks, path, preset, device):
+def plot_cdfs(clocks, preset, device):
     """The distribution of TTFT and TPOT over the requests of every timed round, per variant."""
     fig, (ax_ttft, ax_tpot) = harness.new_figure(2)
     for name, runs in clocks.items():
@@ -166,7 +179,7 @@ def plot_cdfs(clocks, path, preset, device):
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter("")  # decades only: the minor labels overlap
     ax_ttft.legend(fontsize=7)
-    harness.save_plot(fig, path)
+    return fig
 
 
 def parse_args(argv):
@@ -186,13 +199,18 @@ def parse_args(argv):
                      f"started {distributed.world_size()}: use --nproc-per-node 2 (or --nnodes 2 with 1 each)")
 
     def check_args(preset):
-        serving.check_trace_args(args, parser, preset.seqlen)
+        serving.check_trace_args(parser, preset.seqlen, args.prompt_median, args.output_median, args.rate)
         if args.block_size > preset.seqlen:
             parser.error(f"--block-size must be at most seqlen={preset.seqlen}, got {args.block_size}")
         device, local = harness.get_device(args.device), int(os.environ.get("LOCAL_WORLD_SIZE", 2))
         if device.type == "cuda" and local > torch.cuda.device_count():
             parser.error(f"{local} processes on this machine need {local} CUDA devices (NCCL: one GPU per rank); "
                          f"it has {torch.cuda.device_count()}")
+        harness.check_fits(parser, "--batch-size", 2 * serving.forward_bytes(preset, args.batch_size),
+                           f"a batch of {args.batch_size} and its KV pool, on each worker")
+        copies = 2 + args.repeats * 4  # the reference, and the outputs and clocks of every run of the 4 variants
+        harness.check_fits(parser, "--n-requests", serving.trace_bytes(preset, args.n_requests, copies),
+                           f"a trace of {args.n_requests} requests, their reference and the outputs of every run")
         if not args.untrained and not files.checkpoint_path(preset.name).exists():
             parser.error(f"no checkpoint {files.checkpoint_path(preset.name)}: train it once first with "
                          f"{files.gptlite_command(preset.name)} (both workers would each train one)")
@@ -242,16 +260,11 @@ def experiment(args, preset, d, data):
           "disaggregated first token counts when the decode worker has it), TPOT p50/p99 over requests, tok/s: new "
           "tokens over the makespan; kv_sent_KB: the keys and values sent per request; send_ms: time of its "
           "dist.send calls; failed: transfers whose checksum failed (recomputed); preempted: by the decode pool")
-    harness.print_table(rows, untrained=args.untrained)
-    summary = summary_lines(rows)
-    print("\n".join(summary))
-    if args.plot:
-        plot_cdfs(clocks, args.plot, preset, d.device)
-    if args.json:
-        harness.save_json(args.json, "main_disaggregation.py", preset, d.device, rows, untrained=args.untrained,
-                     summary=summary, backend=d.backend, batch_size=args.batch_size, block_size=args.block_size,
-                     trace={"n_requests": len(requests), "rate": args.rate if np.isfinite(args.rate) else "inf",
-                            "arrivals": arrivals, "prompt_lens": prompt_lens, "output_lens": output_lens})
+    harness.report(args, "main_disaggregation.py", preset, d.device, rows, headline(rows), summary=summary_lines(rows),
+                   plot=lambda: plot_cdfs(clocks, preset, d.device), backend=d.backend, batch_size=args.batch_size,
+                   block_size=args.block_size,
+                   trace={"n_requests": len(requests), "rate": args.rate if np.isfinite(args.rate) else "inf",
+                          "arrivals": arrivals, "prompt_lens": prompt_lens, "output_lens": output_lens})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """KV cache: greedy generation without a cache, with the post's dynamic cache, and with a static cache.
 
     python main_kvcache.py                                  # cpu preset on CPU, gptlite on CUDA
-    python main_kvcache.py --prompt-len 32 --n-tokens 128 --json kv.json --plot kv.png
+    python main_kvcache.py --prompt-len 32 --n-tokens 128 --json kv.json --sweep --plot kv.png
     python main_kvcache.py --untrained                      # random weights, a quick smoke run
 
 Blog section: "KV cache". Without a cache every new token re-encodes the last `seqlen` tokens; with
@@ -20,13 +20,36 @@ import torch
 import inference_utils as iu
 from gptlite import GPTlite, generate
 from gptlite_kvcache import StaticKVCache, generate_kvcache
-from lib.errors import GPTliteError
-from lib import corpus, harness, training
+from lib import corpus, harness, serving, training
 
 
-def check_args(args, parser, seqlen):
+def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
+    parser = harness.script_parser(__doc__)
+    parser.add_argument("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length in characters")
+    parser.add_argument("--n-tokens", type=harness.int_at_least(2), default=128, help="new tokens generated per prompt")
+    parser.add_argument("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8],
+                        help="numbers of prompts generated together, a row group each")
+    parser.add_argument("--repeats", type=harness.int_at_least(1), default=5,
+                        help="timed runs per figure, median taken (after one warm-up)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time TPOT against the number of generated tokens (8 to 2 x --n-tokens) at each "
+                             "batch size: the JSON's tpot_sweep, the curves that --plot draws")
+    args = parser.parse_args(argv)
+    return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
+
+
+def check_args(args, parser, preset):
     if len(set(args.batch_sizes)) != len(args.batch_sizes):
         parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
+    if args.plot and not args.sweep:
+        parser.error("--plot draws the TPOT sweep, which only --sweep measures: add --sweep")
+    batch = max(args.batch_sizes)  # no cache: a forward over the window; a cache: the window's keys and values
+    harness.check_fits(parser, "--batch-sizes", 2 * serving.forward_bytes(preset, batch),
+                       f"a batch of {batch} through the model")
+    length = args.prompt_len + (2 if args.sweep else 1) * args.n_tokens  # the tokens of 4 sets of outputs
+    harness.check_fits(parser, "--n-tokens", 2 * serving.forward_bytes(preset, batch) + 4 * batch * length * 8,
+                       f"{batch} sequences of {length} tokens")
 
 
 def make_variants(base, cached, prompts, seqlen):
@@ -44,17 +67,27 @@ def make_variants(base, cached, prompts, seqlen):
     return fns, static_cache
 
 
-def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_losses):
-    """One row per variant for a batch of prompts; the first in-window tokens must equal no-cache's."""
-    fns, static_cache = make_variants(base, cached, prompts, seqlen)
-    tokens = {name: fn(n_tokens) for name, fn in fns.items()}  # correctness first: [B, P + n_tokens] each
+def check_batch(fns, prompts, n_tokens, seqlen):
+    """Correctness first: each variant's tokens [B, P + n_tokens] on the batch, the fraction of the tokens
+    past the window that equal no-cache's, and {check name: the in-window tokens equal no-cache's}."""
+    tokens = {name: fn(n_tokens) for name, fn in fns.items()}
     in_window = prompts.shape[1] + min(seqlen - prompts.shape[1] + 1, n_tokens)  # prompt + new tokens that fit
     reference = tokens["no cache"]
+    checks, after = {}, {}
+    for name in fns:
+        checks[f"{name} (batch {prompts.shape[0]}): tokens equal generation without a cache within the window"] = \
+            torch.equal(tokens[name][:, :in_window], reference[:, :in_window])
+        after[name] = (f"{(tokens[name][:, in_window:] == reference[:, in_window:]).float().mean().item():.0%}"
+                       if tokens[name].shape[1] > in_window else "-")
+    return tokens, after, checks
+
+
+def measure_batch(base, cached, batch, n_tokens, seqlen, device, repeats, val_losses):
+    """One row per variant for a batch of prompts whose tokens were checked (check_batch)."""
+    prompts, fns, static_cache, tokens, after = batch
     timings = iu.compare_generation(fns, n_tokens, prompts.shape[0], device, warmup=1, repeats=repeats)
     rows = []
     for name, fn in fns.items():
-        same = torch.equal(tokens[name][:, :in_window], reference[:, :in_window])
-        after = (tokens[name][:, in_window:] == reference[:, in_window:]).float().mean().item()
         memory_run = lambda: fn(n_tokens)  # noqa: E731
         if name == "no cache":
             kv_bytes = None
@@ -69,10 +102,19 @@ def measure_batch(base, cached, prompts, n_tokens, seqlen, device, repeats, val_
             name, batch_size=prompts.shape[0], **timings[name],
             peak_mem_mb=iu.peak_memory_mb(memory_run, device),
             kv_cache_mb=kv_bytes / 2**20 if kv_bytes is not None else None,
-            val_loss=val_losses[name],
-            same_in_window="yes" if same else "NO",
-            same_after_window=f"{after:.0%}" if tokens[name].shape[1] > in_window else "-"))
-    return rows, fns
+            val_loss=val_losses[name], same_in_window="yes", same_after_window=after[name]))
+    return rows
+
+
+def tpot_sweep(fns_by_batch, n_tokens, device, repeats):
+    """--sweep: TPOT of every variant against the number of generated tokens, at each batch size."""
+    counts = sorted({n for n in (8, 16, 32, 64, 128, 256, 512) if n <= 2 * n_tokens} | {n_tokens})
+    sweep = {}
+    for batch_size, fns in fns_by_batch.items():
+        by_count = [iu.compare_generation(fns, n, batch_size, device, repeats=repeats) for n in counts]
+        sweep[batch_size] = {name: {"n_tokens": counts, "tpot_ms": [r[name]["tpot_ms"] for r in by_count]}
+                             for name in fns}
+    return sweep
 
 
 def ratio_lines(rows, batch_sizes):
@@ -90,7 +132,23 @@ def ratio_lines(rows, batch_sizes):
     return lines
 
 
-def plot_tpot_sweep(sweep, path, preset, device):
+def headline(rows):
+    """The README's one-glance row, from this run's rows: the TPOT ratios at each batch size."""
+    tpot = {(r["variant"], r["batch_size"]): r["tpot_ms"] for r in rows}
+    batches = sorted({r["batch_size"] for r in rows}, reverse=True)
+
+    def x(a, b, fmt="{:.1f}x"):  # '-' where either could not be measured
+        value = iu.ratio(a, b)
+        return "-" if value is None else fmt.format(value)
+
+    return {"technique": "KV cache, dynamic and static",
+            "figure": "TPOT no cache / dynamic cache: " + ", ".join(
+                f"{x(tpot['no cache', b], tpot['dynamic KV cache', b])} at batch {b}" for b in batches)
+            + "; static / dynamic: " + ", ".join(x(tpot["static KV cache", b], tpot["dynamic KV cache", b], "{:.2f}")
+                                                 for b in batches) + "; the same tokens within the window"}
+
+
+def plot_tpot_sweep(sweep, preset, device):
     fig, axes = harness.new_figure(len(sweep))
     for ax, (batch_size, by_variant) in zip(np.atleast_1d(axes), sweep.items()):
         for variant, points in by_variant.items():
@@ -99,59 +157,36 @@ def plot_tpot_sweep(sweep, path, preset, device):
         ax.set(xscale="log", ylim=(0, None), xlabel="generated tokens", ylabel="TPOT (ms)",
                title=f"batch {batch_size} (preset {preset.name}, {device})")
         ax.legend()
-    harness.save_plot(fig, path)
+    return fig
 
 
 def main(argv=None):
-    parser = harness.script_parser(__doc__)
-    parser.add_argument("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length in characters")
-    parser.add_argument("--n-tokens", type=harness.int_at_least(2), default=128, help="new tokens generated per prompt")
-    parser.add_argument("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8],
-                        help="numbers of prompts generated together, a row group each")
-    parser.add_argument("--repeats", type=harness.int_at_least(1), default=5,
-                        help="timed runs per figure, median taken (after one warm-up)")
-    args = parser.parse_args(argv)
-    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
-
+    args, preset, device, data = parse_args(argv)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     cached = iu.kv_cache_model(base)  # the same weights, trained or not
     seqlen = preset.seqlen
+    batches, checks = {}, {}
+    for batch_size in args.batch_sizes:  # correctness first, every batch, before anything is timed
+        prompts = corpus.sample_prompts(data, batch_size, args.prompt_len, seed=args.seed, device=device)
+        fns, static_cache = make_variants(base, cached, prompts, seqlen)
+        tokens, after, batch_checks = check_batch(fns, prompts, args.n_tokens, seqlen)
+        batches[batch_size], checks = (prompts, fns, static_cache, tokens, after), checks | batch_checks
+    harness.require_checks(checks)
+
     val_losses = {"no cache": training.validation_loss(base, data)}
     val_losses["dynamic KV cache"] = val_losses["static KV cache"] = training.validation_loss(cached, data)
-
-    rows, fns_by_batch = [], {}
-    for batch_size in args.batch_sizes:
-        prompts = corpus.sample_prompts(data, batch_size, args.prompt_len, seed=args.seed, device=device)
-        batch_rows, fns_by_batch[batch_size] = measure_batch(base, cached, prompts, args.n_tokens, seqlen,
-                                                             device, args.repeats, val_losses)
-        rows += batch_rows
+    rows = [row for batch in batches.values()
+            for row in measure_batch(base, cached, batch, args.n_tokens, seqlen, device, args.repeats, val_losses)]
+    sweep = tpot_sweep({b: batch[1] for b, batch in batches.items()}, args.n_tokens, device,
+                       args.repeats) if args.sweep else None
 
     in_window = min(seqlen - args.prompt_len + 1, args.n_tokens)
     print(f"\nprompts of {args.prompt_len} tokens, {args.n_tokens} new tokens each, window seqlen={seqlen} "
           f"(the first {in_window} new tokens must match no cache), median of {args.repeats} runs")
-    harness.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
-    summary = ratio_lines(rows, args.batch_sizes)
-    print("\n".join(summary))
-
-    sweep = None
-    if args.plot:
-        counts = sorted({n for n in (8, 16, 32, 64, 128, 256, 512) if n <= 2 * args.n_tokens} | {args.n_tokens})
-        sweep = {}
-        for batch_size, fns in fns_by_batch.items():
-            by_count = [iu.compare_generation(fns, n, batch_size, device, repeats=args.repeats)
-                        for n in counts]
-            sweep[batch_size] = {name: {"n_tokens": counts, "tpot_ms": [r[name]["tpot_ms"] for r in by_count]}
-                                 for name in fns}
-        plot_tpot_sweep(sweep, args.plot, preset, device)
-    if args.json:
-        harness.save_json(args.json, "main_kvcache.py", preset, device, rows, untrained=args.untrained,
-                     prompt_len=args.prompt_len, n_tokens=args.n_tokens, tokens_in_window=in_window, summary=summary,
-                     tpot_sweep=sweep)
-    failures = sorted({f"{r['variant']} (batch {r['batch_size']})" for r in rows if r["same_in_window"] != "yes"})
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generation without a cache "
-                              f"within the window; this is a bug")
+    summary = [iu.peak_memory_label(device)] + ratio_lines(rows, args.batch_sizes)
+    harness.report(args, "main_kvcache.py", preset, device, rows, headline(rows), summary=summary,
+                   plot=lambda: plot_tpot_sweep(sweep, preset, device), prompt_len=args.prompt_len,
+                   n_tokens=args.n_tokens, tokens_in_window=in_window, tpot_sweep=sweep)
 
 
 if __name__ == "__main__":

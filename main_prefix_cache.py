@@ -1,7 +1,7 @@
 """Prefix caching: compute a shared prefix's keys and values once and start every request from them.
 
     python main_prefix_cache.py                             # cpu preset on CPU, gptlite on CUDA
-    python main_prefix_cache.py --prefix-len 96 --request-len 16 --json pc.json --plot pc.png
+    python main_prefix_cache.py --prefix-len 96 --request-len 16 --json pc.json --sweep --plot pc.png
     python main_prefix_cache.py --untrained                 # random weights, a quick smoke run
 
 Blog section: "Prefix caching". Workloads, a group of rows each, every one timed side by side with
@@ -22,7 +22,7 @@ The timed store requests use `update=False`, so that every repeat meets the same
 A prompt longer than seqlen cannot reuse blocks (positions are absolute): the script sends one and
 checks that the store falls back to plain generation, counted and said.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,8 +30,7 @@ import torch
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
 from lib.prefix_cache import PrefixCache, fork_static_cache
-from lib.errors import GPTliteError
-from lib import corpus, harness, training
+from lib import corpus, harness, serving, training
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -66,9 +65,11 @@ class Setting:
     seqlen: int
     n_tokens: int
     repeats: int
+    timed: bool = True  # False: the check pass, every variant's tokens and nothing timed
 
 
-def check_args(args, parser, seqlen):
+def check_args(args, parser, preset):
+    seqlen = preset.seqlen
     if args.prefix_len + args.request_len > seqlen:
         parser.error(f"--prefix-len + --request-len = {args.prefix_len + args.request_len} exceeds the model's "
                      f"seqlen={seqlen}: the prefix could not be reused exactly (positions are absolute)")
@@ -78,6 +79,17 @@ def check_args(args, parser, seqlen):
         parser.error(f"--capacity-tokens must hold one block of {args.block_size}, got {args.capacity_tokens}")
     if len(set(args.batch_sizes)) != len(args.batch_sizes):
         parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
+    if args.plot and not args.sweep:
+        parser.error("--plot draws the TTFT sweep, which only --sweep measures: add --sweep")
+    batch = max(args.batch_sizes)  # a forward over the window, and its cache, forked for the static variant
+    harness.check_fits(parser, "--batch-sizes", 2 * serving.forward_bytes(preset, batch),
+                       f"a batch of {batch} through the model")
+    for flag, count in (("--n-requests", args.n_requests), ("--turns", args.turns)):  # texts, prompts, outputs
+        harness.check_fits(parser, flag, serving.trace_bytes(preset, count, copies=2),
+                           f"{count} requests of up to seqlen={seqlen} tokens")
+    length = seqlen + args.n_tokens  # a prompt of up to the window, then its new tokens, 4 sets of them
+    harness.check_fits(parser, "--n-tokens", 2 * serving.forward_bytes(preset, batch) + 4 * batch * length * 8,
+                       f"{batch} sequences of {length} tokens")
 
 
 def timed_rows(workload, fns, batch_size, prompt_tokens, hit_tokens, kv_bytes, setting):
@@ -85,6 +97,9 @@ def timed_rows(workload, fns, batch_size, prompt_tokens, hit_tokens, kv_bytes, s
     tokens must equal the first's."""
     n = setting.n_tokens
     expected = fns["no prefix cache"](n)
+    same = {name: "yes" if torch.equal(fn(n), expected) else "NO" for name, fn in fns.items()}
+    if not setting.timed:  # the check pass
+        return [dict(workload=workload, variant=name, batch_size=batch_size, same_tokens=same[name]) for name in fns]
     timings = iu.compare_generation(fns, n, batch_size, setting.device, repeats=setting.repeats)
     rows = []
     for name, fn in fns.items():
@@ -95,7 +110,7 @@ def timed_rows(workload, fns, batch_size, prompt_tokens, hit_tokens, kv_bytes, s
                                 workload=workload, batch_size=batch_size, prompt_tokens=prompt_tokens,
                                 hit_tokens=hit, hit_rate=f"{hit / prompt_tokens:.0%}",
                                 ttft_speedup=round(timings["no prefix cache"]["ttft_ms"] / timings[name]["ttft_ms"], 2),
-                                same_tokens="yes" if torch.equal(fn(n), expected) else "NO"))
+                                same_tokens=same[name]))
     return rows
 
 
@@ -188,7 +203,7 @@ def ttft_sweep(model, prefix, requests, batch_sizes, prefix_len, setting):
     return sweep
 
 
-def plot_sweep(sweep, path, request_len, preset, device):
+def plot_sweep(sweep, request_len, preset, device):
     fig, axes = harness.new_figure(len(sweep))
     for ax, (batch_size, curves) in zip(np.atleast_1d(axes), sweep.items()):
         for name in ("no prefix cache", "prefix cache (post)"):
@@ -196,10 +211,43 @@ def plot_sweep(sweep, path, request_len, preset, device):
         ax.set(xlabel="shared prefix length (tokens)", ylabel="TTFT (ms)", ylim=(0, None),
                title=f"prefix + {request_len}-token request, batch {batch_size} ({preset.name}, {device})")
         ax.legend()
-    harness.save_plot(fig, path)
+    return fig
+
+
+def workloads(model, prefix, texts, args, setting):
+    """Every workload's rows, the stores' stats and the fallback line (setting.timed False: only the
+    tokens, nothing timed), and {check: ok}: every variant's tokens equal generation without the cache."""
+    rows = [row for batch_size in args.batch_sizes for row in post_rows(model, prefix, texts[:batch_size], setting)]
+    store = PrefixCache(model, block_size=args.block_size, capacity_tokens=args.capacity_tokens)
+    system_rows, system_stats, fallback, failures = system_prompt_workload(store, prefix[0], texts[:args.n_requests],
+                                                                           setting)
+    store = PrefixCache(model, block_size=args.block_size, capacity_tokens=args.capacity_tokens)
+    turn_rows, turn_stats, turn_failures = multi_turn_workload(store, texts[:args.turns], setting)
+    rows += system_rows + turn_rows
+    checks = {f"{name}: tokens equal generation without prefix caching": False for name in failures + turn_failures}
+    checks |= {f"{r['workload']}: {r['variant']} (batch {r['batch_size']}): tokens equal generation without prefix "
+               "caching": r["same_tokens"] == "yes" for r in rows}
+    return rows, dict(system_prompt_stats=system_stats, multi_turn_stats=turn_stats, fallback=fallback), checks
+
+
+def headline(rows, prefix_len, request_len):
+    """The README's one-glance row, from this run's rows: TTFT without / with the cache."""
+    post, store = f"post, {prefix_len}+{request_len}", "system prompt + question"
+    ttft = {(r["workload"], r["variant"], r["batch_size"]): r["ttft_ms"] for r in rows}
+
+    def gain(variant, workload, batch):
+        value = iu.ratio(ttft[workload, "no prefix cache", batch], ttft[workload, variant, batch])
+        return "-" if value is None else f"{value:.2f}x"
+
+    batches = sorted({r["batch_size"] for r in rows if r["workload"] == post}, reverse=True)
+    return {"technique": f"prefix caching, {prefix_len}-token prefix + {request_len}-token requests",
+            "figure": "TTFT without / with the post's cache: " + ", ".join(
+                f"{gain('prefix cache (post)', post, b)} at batch {b}" for b in batches)
+            + f"; the PrefixCache store {gain('PrefixCache store', store, 1)} at batch 1; identical tokens"}
 
 
 def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     at_least = harness.int_at_least
     parser.add_argument("--prefix-len", type=at_least(1), default=96, help="tokens of the shared prefix (system prompt)")
@@ -216,15 +264,17 @@ def parse_args(argv):
                         help="tokens the store holds before evicting least recently used blocks")
     parser.add_argument("--repeats", type=at_least(1), default=10,
                         help="timed runs per figure, median taken (after one warm-up)")
-    return parser, parser.parse_args(argv)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time TTFT against the shared prefix length (16 to seqlen - --request-len), with "
+                             "and without the post's cache, at each batch size: the JSON's ttft_sweep, what --plot draws")
+    args = parser.parse_args(argv)
+    return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
 
 
 def main(argv=None):
-    parser, args = parse_args(argv)
-    preset, device, data = harness.setup(args, parser, lambda preset: check_args(args, parser, preset.seqlen))
+    args, preset, device, data = parse_args(argv)
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     setting = Setting(device, preset.seqlen, args.n_tokens, args.repeats)
-    val_loss = training.validation_loss(model, data)
     prefix = corpus.sample_prompts(data, 1, args.prefix_len, seed=args.seed, device=device)  # [1, P]
     n_texts = max(args.batch_sizes + [args.n_requests, args.turns])
     texts = corpus.sample_prompts(data, n_texts, args.request_len, seed=args.seed + 1, device=device)  # [N, R]
@@ -234,46 +284,39 @@ def main(argv=None):
     listing_same = all(torch.equal(c, p[:, P:]) for c, p in zip(
         prefix_caching(model, prefix, texts, args.n_tokens, preset.seqlen),
         no_prefix_caching(model, prefix, texts, args.n_tokens, preset.seqlen)))
-    rows = [row for batch_size in args.batch_sizes for row in post_rows(model, prefix, texts[:batch_size], setting)]
-    store = PrefixCache(model, block_size=args.block_size, capacity_tokens=args.capacity_tokens)
-    system_rows, system_stats, fallback, failures = system_prompt_workload(store, prefix[0], texts[:args.n_requests],
-                                                                           setting)
-    store = PrefixCache(model, block_size=args.block_size, capacity_tokens=args.capacity_tokens)
-    turn_rows, turn_stats, turn_failures = multi_turn_workload(store, texts[:args.turns], setting)
-    rows += system_rows + turn_rows
-    failures += turn_failures + [f"{r['workload']}: {r['variant']} (batch {r['batch_size']})"
-                                 for r in rows if r["same_tokens"] != "yes"]
-    failures += [] if listing_same else ["the post's listing, one request at a time"]
+    checks = {"the post's listing, one request at a time: tokens equal generation without prefix caching":
+              listing_same} | workloads(model, prefix, texts, args, replace(setting, timed=False))[2]
+    harness.require_checks(checks)  # a check pass first: nothing timed or written if a variant's tokens differ
 
+    val_loss = training.validation_loss(model, data)
+    rows, stats, checks = workloads(model, prefix, texts, args, setting)
+    harness.require_checks(checks)  # the timed pass's own tokens, checked again
+    sweep = None
+    if args.sweep:
+        longest = corpus.sample_prompts(data, 1, preset.seqlen - args.request_len, seed=args.seed, device=device)
+        sweep = ttft_sweep(model, longest, texts, args.batch_sizes, args.prefix_len, setting)
     print(f"\nshared prefix of {args.prefix_len} tokens, requests of {args.request_len}, {args.n_tokens} new tokens, "
           f"blocks of {args.block_size}, window seqlen={preset.seqlen}, median of {args.repeats} runs; "
           f"validation loss {val_loss:.4f} (the same model in every row)")
-    harness.print_table(rows, untrained=args.untrained)
-    summary = [iu.peak_memory_label(device),
-               "KV MB: keys and values kept for reuse (the shared prefix cache, or the whole store); hit_rate: "
-               "prompt tokens of the timed request taken from the cache",
-               f"the post's listing, {len(texts)} requests one at a time: tokens identical to no prefix cache: "
-               f"{'yes' if listing_same else 'NO'}"]
-    for name, stats in [("system prompt store", system_stats), ("multi-turn store", turn_stats)]:
-        summary.append(f"{name}: {stats['requests']} requests, hit rate {stats['hit_rate']:.0%} "
-                       f"({stats['hit_tokens']}/{stats['prompt_tokens']} tokens), {stats['blocks']} blocks "
-                       f"({stats['cache_bytes'] / 2**20:.3f} MB), {stats['evictions']} evictions")
-    summary.append(fallback)
-    print("\n".join(summary))
+    harness.report(args, "main_prefix_cache.py", preset, device, rows, headline(rows, args.prefix_len, args.request_len),
+                   summary=summary_lines(stats, len(texts), device), plot=lambda: plot_sweep(sweep, args.request_len,
+                                                                                             preset, device),
+                   val_loss=val_loss, prefix_len=args.prefix_len, request_len=args.request_len,
+                   n_tokens=args.n_tokens, block_size=args.block_size, ttft_sweep=sweep, **stats)
 
-    sweep = None
-    if args.plot:
-        longest = corpus.sample_prompts(data, 1, preset.seqlen - args.request_len, seed=args.seed, device=device)
-        sweep = ttft_sweep(model, longest, texts, args.batch_sizes, args.prefix_len, setting)
-        plot_sweep(sweep, args.plot, args.request_len, preset, device)
-    if args.json:
-        harness.save_json(args.json, "main_prefix_cache.py", preset, device, rows, untrained=args.untrained,
-                     val_loss=val_loss, prefix_len=args.prefix_len, request_len=args.request_len,
-                     n_tokens=args.n_tokens, block_size=args.block_size, system_prompt_stats=system_stats,
-                     multi_turn_stats=turn_stats, fallback=fallback, ttft_sweep=sweep, summary=summary)
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generation without prefix caching; "
-                              "this is a bug")
+
+def summary_lines(stats, n_texts, device):
+    """The lines under the table: what the columns mean, the stores over their streams, the fallback."""
+    lines = [iu.peak_memory_label(device),
+             "KV MB: keys and values kept for reuse (the shared prefix cache, or the whole store); hit_rate: "
+             "prompt tokens of the timed request taken from the cache",
+             f"the post's listing, {n_texts} requests one at a time: tokens identical to no prefix cache: yes"]
+    for name, key in [("system prompt store", "system_prompt_stats"), ("multi-turn store", "multi_turn_stats")]:
+        s = stats[key]
+        lines.append(f"{name}: {s['requests']} requests, hit rate {s['hit_rate']:.0%} "
+                     f"({s['hit_tokens']}/{s['prompt_tokens']} tokens), {s['blocks']} blocks "
+                     f"({s['cache_bytes'] / 2**20:.3f} MB), {s['evictions']} evictions")
+    return lines + [stats["fallback"]]
 
 
 if __name__ == "__main__":

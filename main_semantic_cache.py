@@ -139,7 +139,9 @@ def format_sweep(points):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data, pairs); the pairs file is read while
+    the flags are checked, a bad one is an error before any work."""
     parser = harness.script_parser(__doc__)
     parser.add_argument("--threshold", type=harness.float_in(-1, 1), default=sc.DEFAULT_THRESHOLD,
                         help=f"least cosine similarity served from the cache (default {sc.DEFAULT_THRESHOLD}, "
@@ -151,9 +153,101 @@ def main(argv=None):
     parser.add_argument("--repeats", type=harness.int_at_least(1), default=5,
                         help="timed runs per figure, median taken (after one warm-up)")
     args = parser.parse_args(argv)
-    pairs = []  # read while the flags are checked: a bad file is an error before any work
-    preset, device, data = harness.setup(args, parser, lambda preset: pairs.extend(check_args(args, parser)))
+    pairs = []
 
+    def check(preset):
+        pairs.extend(check_args(args, parser))
+        # every answer of the stream is kept in the cache: one per query, n_tokens characters each
+        length = preset.seqlen + args.n_tokens
+        harness.check_fits(parser, "--n-tokens", 2 * len(pairs) * length * 8 + 4 * length * 8,
+                           f"{2 * len(pairs)} answers of {args.n_tokens} characters")
+
+    preset, device, data = harness.setup(args, parser, check)
+    return args, preset, device, data, pairs
+
+
+def headline(rows, threshold, table_sweep, n_pairs):
+    """The README's one-glance row, from this run's rows: precision and recall at --threshold, and how
+    fast a hit delivers a whole answer against GPTlite writing it."""
+    at = next(p for p in table_sweep if p["threshold"] == threshold)  # --threshold is always in the table
+    by_name = {r["variant"]: r for r in rows}
+    hit, model = by_name["semantic cache hit"], by_name["GPTlite call (no cache)"]
+    speed = iu.ratio(hit["tokens_per_s"], model["tokens_per_s"])
+    return {"technique": f"semantic caching, threshold {threshold}",
+            "figure": f"precision {at['precision']:.3f}, recall {at['recall']:.3f} on {n_pairs} labelled pairs; a "
+                      f"semantic hit (lookup {'-' if hit['ttft_ms'] is None else format(hit['ttft_ms'], '.1f')} ms) "
+                      f"delivers a whole answer {'-' if speed is None else format(speed, '.1f') + 'x'} as fast as "
+                      "GPTlite writes it"}
+
+
+THRESHOLD_COLUMNS = [("threshold", "threshold", "{:.2f}"), ("precision", "precision", "{:.3f}"),
+                     ("recall", "recall", "{:.3f}"), ("hit_rate", "hit rate", "{:.3f}")]
+
+
+def plot_curve(fine, threshold, n_pairs, encoder):
+    fig, ax = harness.new_figure()
+    ts = [p["threshold"] for p in fine]
+    for key in ("precision", "recall", "hit_rate"):
+        ax.plot(ts, [p[key] for p in fine], label=key.replace("_", " "))
+    ax.axvline(threshold, color="gray", linestyle="--", label=f"threshold {threshold}")
+    ax.set(xlabel="cosine similarity threshold", ylim=(0, 1.02), title=f"{n_pairs} labelled pairs, {encoder.split('/')[-1]}")
+    ax.legend()
+    return fig
+
+
+def threshold_figures(embed, pairs, threshold):
+    """The pairs' cosine similarities with the real encoder, and precision / recall / hit rate per threshold:
+    labels, similarities, the fine sweep (step 0.01), its best point and the table's sweep."""
+    labels = np.array([p[0] for p in pairs])
+    similarities = (embed([p[1] for p in pairs]) * embed([p[2] for p in pairs])).sum(axis=1)  # cosine, [n]
+    fine = sweep(similarities, labels, np.round(np.arange(0.5, 0.991, 0.01), 3))
+    return labels, similarities, fine, best_threshold(fine), sweep(similarities, labels,
+                                                                   sorted(set(TABLE_THRESHOLDS) | {threshold}))
+
+
+def timed_rows(model, cache, prompt, n_tokens, seqlen, device, repeats, val_loss, index_mb):
+    """A GPTlite call against lookups in the stream's cache that hit (exact, semantic) or miss."""
+    model_fn = lambda n: generate_kvcache(model, prompt, n, seqlen)  # noqa: E731
+    timing = iu.measure_generation(model_fn, n_tokens, 1, device, repeats=repeats)
+    rows = [harness.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
+                             peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(n_tokens), device),
+                             lookup_ms=None, index_mb=None, served=None)]
+    for name, probe in PROBES.items():
+        lookup = lambda: cache.lookup(probe)  # noqa: E731
+        ms, miss = iu.time_fn(lookup, device, repeats=repeats) * 1e3, name.endswith("miss")
+        ttft = ms + (timing["ttft_ms"] if miss else 0)  # a hit has the whole answer at once
+        total = ms + (n_tokens / timing["tokens_per_s"] * 1e3 if miss else 0)  # a miss: the lookup, then GPTlite
+        rows.append(harness.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
+                                     tokens_per_s=n_tokens / total * 1e3, peak_mem_mb=iu.peak_memory_mb(lookup, device),
+                                     val_loss=val_loss, lookup_ms=round(ms, 2), index_mb=index_mb,
+                                     served="yes" if cache.lookup(probe)[2] else "no"))
+    return rows
+
+
+def summary_lines(pairs, similarities, fine, best, threshold, counts, stats, device):
+    """The lines under the table: what the columns mean, the stream, the best threshold, the near-misses served."""
+    lines = [iu.peak_memory_label(device),
+             "TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the "
+             "whole answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, one request",
+             f"stream at threshold {threshold}: the first query of each of the {len(pairs)} pairs "
+             f"({len({p[1] for p in pairs})} distinct), then each second query: "
+             f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
+             f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} "
+             f"lookups (exact {stats['exact_hits']}, semantic {stats['semantic_hits']})"]
+    if best is not None:
+        plateau = [p["threshold"] for p in fine if (p["precision"], p["recall"]) == (best["precision"], best["recall"])]
+        lines.append(f"highest recall with precision >= 0.9 on these pairs: thresholds {plateau[0]:.2f} to "
+                     f"{plateau[-1]:.2f} (precision {best['precision']:.3f}, recall {best['recall']:.3f}); "
+                     f"--threshold is {threshold}")
+    else:
+        lines.append("no threshold reaches precision 0.9 on these pairs")
+    wrong = sorted(((s, a, b) for (same, a, b), s in zip(pairs, similarities) if not same and s >= threshold),
+                   reverse=True)
+    return lines + [f"near-miss served at {s:.3f}: {a!r} / {b!r}" for s, a, b in wrong]
+
+
+def main(argv=None):
+    args, preset, device, data, pairs = parse_args(argv)
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     val_loss = training.validation_loss(model, data)
     with iu.Timer(device) as load_time:
@@ -162,87 +256,33 @@ def main(argv=None):
         except ValueError as e:
             raise GPTliteError(str(e)) from None
 
-    def answer(query):  # the stand-in model behind the cache
-        return generate_answer(model, data, query, args.n_tokens, preset.seqlen, device)
-
     # 1. the pairs: similarities with the real encoder, precision / recall / hit rate per threshold
-    labels = np.array([p[0] for p in pairs])
-    similarities = (embed([p[1] for p in pairs]) * embed([p[2] for p in pairs])).sum(axis=1)  # cosine, [n]
-    fine = sweep(similarities, labels, np.round(np.arange(0.5, 0.991, 0.01), 3))
-    best = best_threshold(fine)
-    table_sweep = sweep(similarities, labels, sorted(set(TABLE_THRESHOLDS) | {args.threshold}))
-
-    # 2. the cache on a stream of queries, at --threshold
+    labels, similarities, fine, best, table_sweep = threshold_figures(embed, pairs, args.threshold)
+    # 2. the cache on a stream of queries, at --threshold; GPTlite answers every miss
     cache = sc.ScopedSemanticCache(embed, args.threshold)
-    counts = stream(cache, pairs, answer)  # GPTlite answers every miss
+    counts = stream(cache, pairs, lambda query: generate_answer(model, data, query, args.n_tokens, preset.seqlen,
+                                                                device))
     stats = cache.stats()
-
     # 3. time: a GPTlite call against lookups in the stream's cache that hit (exact, semantic) or miss
     prompt = prompt_ids(PROBES["semantic cache hit"], data, preset.seqlen, device)  # [1, S]
-    model_fn = lambda n: generate_kvcache(model, prompt, n, preset.seqlen)  # noqa: E731
-    timing = iu.measure_generation(model_fn, args.n_tokens, 1, device, repeats=args.repeats)
     index_mb = round(stats["entries"] * embed.dim * 4 / 2**20, 3)  # a flat index is its vectors
-    rows = [harness.make_row("GPTlite call (no cache)", **timing, val_loss=val_loss,
-                        peak_mem_mb=iu.peak_memory_mb(lambda: model_fn(args.n_tokens), device),
-                        lookup_ms=None, index_mb=None, served=None)]
-    for name, probe in PROBES.items():
-        lookup = lambda: cache.lookup(probe)  # noqa: E731
-        ms, miss = iu.time_fn(lookup, device, repeats=args.repeats) * 1e3, name.endswith("miss")
-        ttft = ms + (timing["ttft_ms"] if miss else 0)  # a hit has the whole answer at once
-        total = ms + (args.n_tokens / timing["tokens_per_s"] * 1e3 if miss else 0)  # a miss: the lookup, then GPTlite
-        rows.append(harness.make_row(name, ttft_ms=ttft, tpot_ms=timing["tpot_ms"] if miss else None,
-                                tokens_per_s=args.n_tokens / total * 1e3, peak_mem_mb=iu.peak_memory_mb(lookup, device),
-                                val_loss=val_loss, lookup_ms=round(ms, 2), index_mb=index_mb,
-                                served="yes" if cache.lookup(probe)[2] else "no"))
+    rows = timed_rows(model, cache, prompt, args.n_tokens, preset.seqlen, device, args.repeats, val_loss, index_mb)
 
     print(f"\n{len(pairs)} labelled pairs ({labels.sum()} paraphrases, {(~labels).sum()} near-misses) from {args.pairs}; "
           f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s)")
     print(format_sweep(table_sweep))
     print("a pair hits when the cosine similarity of its two queries is at least the threshold; precision = right "
           "hits / hits, recall = right hits / paraphrase pairs, hit rate = hits / pairs")
-    summary = []
-    if best is not None:
-        plateau = [p["threshold"] for p in fine if (p["precision"], p["recall"]) == (best["precision"], best["recall"])]
-        summary.append(f"highest recall with precision >= 0.9 on these pairs: thresholds {plateau[0]:.2f} to "
-                       f"{plateau[-1]:.2f} (precision {best['precision']:.3f}, recall {best['recall']:.3f}); "
-                       f"--threshold is {args.threshold}")
-    else:
-        summary.append("no threshold reaches precision 0.9 on these pairs")
-    wrong = sorted(((s, a, b) for (same, a, b), s in zip(pairs, similarities) if not same and s >= args.threshold),
-                   reverse=True)
-    summary += [f"near-miss served at {s:.3f}: {a!r} / {b!r}" for s, a, b in wrong]
-    print("\n".join(summary))
-
     print(f"\nthe cache at threshold {args.threshold}: answers of {args.n_tokens} characters, "
           f"median of {args.repeats} runs")
-    harness.print_table(rows, untrained=args.untrained)
-    cache_lines = [iu.peak_memory_label(device),
-                   "TTFT of a hit = the lookup (embedding + FAISS search; the exact layer skips the embedding): the "
-                   "whole answer is there; a miss = lookup + GPTlite's TTFT. tok/s: answer characters per second, "
-                   "one request",
-                   f"stream at threshold {args.threshold}: the first query of each of the {len(pairs)} pairs "
-                   f"({len({p[1] for p in pairs})} distinct), then each second query: "
-                   f"{counts['right_hits']} right hits, {counts['wrong_hits']} wrong hits, {counts['misses']} misses; "
-                   f"{stats['entries']} entries; cache hit rate {stats['hit_rate']:.0%} over {stats['lookups']} "
-                   f"lookups (exact {stats['exact_hits']}, semantic {stats['semantic_hits']})"]
-    print("\n".join(cache_lines))
-    summary = cache_lines + summary
-
-    if args.plot:
-        fig, ax = harness.new_figure()
-        ts = [p["threshold"] for p in fine]
-        for key in ("precision", "recall", "hit_rate"):
-            ax.plot(ts, [p[key] for p in fine], label=key.replace("_", " "))
-        ax.axvline(args.threshold, color="gray", linestyle="--", label=f"threshold {args.threshold}")
-        ax.set(xlabel="cosine similarity threshold", ylim=(0, 1.02),
-               title=f"{len(pairs)} labelled pairs, {args.encoder.split('/')[-1]}")
-        ax.legend()
-        harness.save_plot(fig, args.plot)
-    if args.json:  # rows: the cache table, numbers unformatted; threshold_table: the sweep table; sweep: step 0.01
-        harness.save_json(args.json, "main_semantic_cache.py", preset, device, rows, untrained=args.untrained,
-                     encoder=args.encoder, threshold=args.threshold, n_pairs=len(pairs),
-                     threshold_table=table_sweep, sweep=fine, best_threshold=best, stream=counts, cache_stats=stats,
-                     similarities=[round(float(s), 4) for s in similarities], summary=summary)
+    table = harness.table("The threshold sweep on the labelled pairs:", table_sweep, THRESHOLD_COLUMNS)
+    harness.report(args, "main_semantic_cache.py", preset, device, rows,  # threshold_table: the sweep's rows
+                   headline(rows, args.threshold, table_sweep, len(pairs)), tables=[table],
+                   summary=summary_lines(pairs, similarities, fine, best, args.threshold, counts, stats, device),
+                   plot=lambda: plot_curve(fine, args.threshold, len(pairs), args.encoder), encoder=args.encoder,
+                   threshold=args.threshold, n_pairs=len(pairs), threshold_table=table_sweep, sweep=fine,
+                   best_threshold=best, stream=counts, cache_stats=stats,
+                   similarities=[round(float(s), 4) for s in similarities])
 
 
 if __name__ == "__main__":

@@ -19,12 +19,10 @@ from collections import deque
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from tqdm import tqdm
 
 import inference_utils as iu
 from lib import serving
 from gptlite import GPTlite
-from lib.errors import GPTliteError
 from lib import harness, training
 
 
@@ -74,7 +72,8 @@ def static_batching(model, requests, batch_size, seqlen, clock=None):
     return sequences, n_steps
 
 
-def main(argv=None):
+def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     serving.add_trace_args(parser, n_requests=64)  # offline: every request at time 0
     parser.add_argument("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8],
@@ -82,52 +81,69 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     def check_args(preset):
-        serving.check_trace_args(args, parser, preset.seqlen)
+        serving.check_trace_args(parser, preset.seqlen, args.prompt_median, args.output_median)
         if len(set(args.batch_sizes)) != len(args.batch_sizes):
             parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
+        batch = max(args.batch_sizes)  # a padded forward over the window, no cache
+        harness.check_fits(parser, "--batch-sizes", serving.forward_bytes(preset, batch),
+                           f"a batch of {batch} through the model")
+        harness.check_fits(parser, "--n-requests", serving.trace_bytes(preset, args.n_requests, copies=3),
+                           f"a trace of {args.n_requests} requests, their reference and outputs")
 
-    preset, device, data = harness.setup(args, parser, check_args)
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def serve(base, requests, batch_size, seqlen, reference, device):
+    """One offline run of the trace: its latency figures and whether every request's tokens are right."""
+    clock = serving.ServingClock.offline(requests, device)
+    outputs, _ = static_batching(base, requests, batch_size, seqlen, clock)
+    return serving.latency_figures(clock), serving.same_outputs(outputs, reference)
+
+
+def headline(rows, n_requests):
+    """The README's one-glance row, from this run's rows: throughput and waste per batch size."""
+    return {"technique": f"static batching, {n_requests} requests at time 0, no KV cache",
+            "figure": "; ".join(f"{row['variant'].removeprefix('static batching, ')}: "
+                                f"{'-' if row['tokens_per_s'] is None else format(row['tokens_per_s'], '.0f')} tok/s, "
+                                f"{row['wasted_slot_steps']} wasted slot-steps" for row in rows)}
+
+
+def plot_waste(rows, batch_sizes, n_requests):
+    fig, ax = harness.new_figure()
+    ax.bar([str(b) for b in batch_sizes], [r["wasted_slot_steps"] for r in rows])
+    ax.set(xlabel="batch size", ylabel="wasted slot-steps", title=f"static batching, {n_requests} requests")
+    return fig
+
+
+def main(argv=None):
+    args, preset, device, data = parse_args(argv)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
     seqlen = preset.seqlen
     requests, _ = serving.make_trace(data.val, args.n_requests, float("inf"), seqlen, args.prompt_median,
                                      args.output_median, seed=args.seed, device=device)
     reference = serving.reference_outputs(iu.kv_cache_model(base), requests, seqlen)
+    checks = {f"static batching, batch {b}: every request's tokens equal generating it alone":  # also the warm-up
+              serve(base, requests, b, seqlen, reference, device)[1] == "yes" for b in args.batch_sizes}
+    harness.require_checks(checks)
     val_loss = training.validation_loss(base, data)
 
-    static_batching(base, requests[:2], 2, seqlen)  # warm-up
     runs = {batch_size: [] for batch_size in args.batch_sizes}
-    bar = tqdm(total=args.repeats * len(args.batch_sizes), desc="static batching runs", dynamic_ncols=True)
-    for _ in range(args.repeats):  # round-robin over the batch sizes
-        for batch_size in args.batch_sizes:
-            clock = serving.ServingClock.offline(requests, device)
-            outputs, _ = static_batching(base, requests, batch_size, seqlen, clock)
-            runs[batch_size].append((serving.latency_figures(clock), serving.same_outputs(outputs, reference)))
-            bar.update()
-    bar.close()
+    iu.time_round_robin({b: lambda b=b: runs[b].append(serve(base, requests, b, seqlen, reference, device))
+                         for b in args.batch_sizes}, device, warmup=0, repeats=args.repeats)  # each run: its clock
     peaks = {batch_size: iu.peak_memory_mb(lambda: static_batching(base, requests, batch_size, seqlen), device)  # noqa: B023
              for batch_size in args.batch_sizes}  # one more, untimed run each
     rows = [harness.make_row(f"static batching, batch {batch_size}", peak_mem_mb=peaks[batch_size],
-                        **serving.median_figures([figures for figures, _ in batch_runs]),
-                        same=next((same for _, same in batch_runs if same != "yes"), "yes"))
+                             **serving.median_figures([figures for figures, _ in batch_runs]),
+                             same=next((same for _, same in batch_runs if same != "yes"), "yes"))
             for batch_size, batch_runs in runs.items()]
+    harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes" for r in rows})
     n_new = sum(n for _, n in requests)
     print(f"\n{len(requests)} requests at time 0, {n_new} new tokens in all, no KV cache (the post's next_tokens); "
           f"TTFT arrival: p50 (then p99) over requests, from their arrival; TPOT: p50 and p99 over requests; "
           f"tok/s: new tokens per second of steps; median of {args.repeats} runs; validation loss {val_loss:.4f}")
-    harness.print_table(rows, untrained=args.untrained)
-    print(iu.peak_memory_label(device))
-    if args.plot:
-        fig, ax = harness.new_figure()
-        ax.bar([str(b) for b in args.batch_sizes], [r["wasted_slot_steps"] for r in rows])
-        ax.set(xlabel="batch size", ylabel="wasted slot-steps", title=f"static batching, {len(requests)} requests")
-        harness.save_plot(fig, args.plot)
-    if args.json:
-        harness.save_json(args.json, "main_static_batching.py", preset, device, rows, untrained=args.untrained,
-                     val_loss=val_loss, n_requests=len(requests), n_new_tokens=n_new,
-                     summary=[iu.peak_memory_label(device)])
-    failures = [r["variant"] for r in rows if r["same"] != "yes"]
-    if failures:
-        raise GPTliteError(f"{', '.join(failures)}: tokens differ from generating each request alone; this is a bug")
+    harness.report(args, "main_static_batching.py", preset, device, rows, headline(rows, len(requests)),
+                   summary=[iu.peak_memory_label(device)], plot=lambda: plot_waste(rows, args.batch_sizes, len(requests)),
+                   val_loss=val_loss, n_requests=len(requests), n_new_tokens=n_new)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ times. Each new token is stamped with the clock at the end of the step that prod
 TTFT = first token - arrival, TPOT = (last token - first token) / (n_tokens - 1). Throughput counts
 the generated tokens over the busy time (the sum of the step times; waiting is not work).
 """
-import statistics
 from contextlib import contextmanager
 
 import numpy as np
@@ -175,8 +174,29 @@ def latency_figures(clock):
 
 
 def median_figures(runs):
-    """The median of each figure over several runs of the same trace (a list of dicts of numbers)."""
-    return {key: statistics.median_low([run[key] for run in runs]) for key in runs[0]}
+    """The median of each figure over several runs of the same trace (a list of dicts of numbers):
+    iu.median, the repository's one median; a figure that some run could not measure (None) is None."""
+    if not runs:
+        raise ValueError("no runs: give at least one dict of figures")
+    return {key: None if any(run[key] is None for run in runs) else iu.median([run[key] for run in runs])
+            for key in runs[0]}
+
+
+def forward_bytes(preset, n_sequences, length=None):
+    """Estimated peak bytes of one forward pass of `n_sequences` sequences of `length` tokens (default:
+    the window) through a model of `preset`, without a cache: float32 logits over the vocabulary, the keys
+    and values of every layer, one layer's attention scores and a few d_model-wide activations, and the
+    token ids. What a size flag (batch size, request count) makes a script allocate, told before any work."""
+    length = preset.seqlen if length is None else length
+    per_token = 4 * (preset.vocab_size + 2 * preset.n_layers * preset.n_heads * preset.d_head
+                     + preset.n_heads * length + 8 * preset.d_model) + 8
+    return n_sequences * length * per_token
+
+
+def trace_bytes(preset, n_requests, copies=1):
+    """Estimated bytes of a trace of `n_requests` requests whose prompts and outputs fill at most the
+    window: the token ids (int64) of `copies` sets of outputs plus the requests and arrival times."""
+    return n_requests * ((copies + 1) * preset.seqlen * 8 + 64)
 
 
 def reference_outputs(cached_model, requests, seqlen):
@@ -204,10 +224,11 @@ def add_trace_args(parser, n_requests=64, rate=None):
                         help="runs of the trace per variant, round-robin, after a warm-up; each figure is the median")
 
 
-def check_trace_args(args, parser, seqlen):
-    if not getattr(args, "rate", 1) > 0:  # inf is allowed: every request at time 0
-        parser.error(f"--rate must be above 0 requests per second, got {args.rate}")
-    for flag, value in [("--prompt-median", args.prompt_median), ("--output-median", args.output_median)]:
+def check_trace_args(parser, seqlen, prompt_median, output_median, rate=None):
+    """The trace's flags against the window (rate None: an offline trace, no --rate flag); parser.error."""
+    if rate is not None and not rate > 0:  # inf is allowed: every request at time 0
+        parser.error(f"--rate must be above 0 requests per second, got {rate}")
+    for flag, value in [("--prompt-median", prompt_median), ("--output-median", output_median)]:
         if value >= seqlen:
             parser.error(f"{flag} must be between 1 and seqlen-1={seqlen - 1}, got {value}")
 
@@ -222,13 +243,14 @@ def add_sharing_args(parser):
                         help="--prefix-sharing: seconds between a conversation's turns")
 
 
-def check_sharing_args(args, parser, seqlen):
-    window = seqlen - args.system_len  # what the system prompt leaves to a question and its answer
-    if not args.prompt_median < window > args.output_median:
-        parser.error(f"--system-len {args.system_len} leaves {window} tokens of seqlen={seqlen}: --prompt-median "
+def check_sharing_args(parser, seqlen, system_len, turns, n_requests, prompt_median, output_median):
+    """The prefix-sharing traces' flags against the window; parser.error."""
+    window = seqlen - system_len  # what the system prompt leaves to a question and its answer
+    if not prompt_median < window > output_median:
+        parser.error(f"--system-len {system_len} leaves {window} tokens of seqlen={seqlen}: --prompt-median "
                      "and --output-median must be below it")
-    if args.output_median >= seqlen // args.turns:
-        parser.error(f"--output-median must be below seqlen / --turns = {seqlen // args.turns} so that every turn "
+    if output_median >= seqlen // turns:
+        parser.error(f"--output-median must be below seqlen / --turns = {seqlen // turns} so that every turn "
                      "has a message")
-    if args.n_requests < args.turns:
-        parser.error(f"--n-requests must be at least --turns={args.turns} (one conversation)")
+    if n_requests < turns:
+        parser.error(f"--n-requests must be at least --turns={turns} (one conversation)")

@@ -192,6 +192,10 @@ def test_main_static_batching_end_to_end(real_data, tmp_path, capsys):
     assert "static batching, batch 3" in capsys.readouterr().out
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["same"] for r in rows] == ["yes", "yes"]
+    headline = json.loads(out_json.read_text())["headline"]
+    assert headline["technique"] == "static batching, 6 requests at time 0, no KV cache"
+    assert headline["figure"] == "; ".join(f"{b}: {r['tokens_per_s']:.0f} tok/s, {r['wasted_slot_steps']} wasted slot-steps"
+                                           for b, r in zip(("batch 1", "batch 3"), rows))
     assert rows[0]["wasted_slot_steps"] == 0 and rows[1]["steps"] <= rows[0]["steps"]
     assert all(r["ttft_ms"] is None and r["ttft_arrival_ms"] <= r["ttft_arrival_p99_ms"] for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["tpot_p99_ms"] >= r["tpot_ms"] for r in rows)
@@ -201,7 +205,7 @@ def test_main_static_batching_end_to_end(real_data, tmp_path, capsys):
 def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
     out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
     main_continuous_batching.main(TINY_TRACE + ["--repeats", "1", "--batch-size", "2", "--chunk-size", "3", "--n-blocks", "40",
-                                                "--plot-batch-sizes", "1", "3", "--json", str(out_json),
+                                                "--sweep-batch-sizes", "1", "3", "--json", str(out_json),
                                                 "--plot", str(out_png)])
     assert "continuous / static throughput" in capsys.readouterr().out
     result = json.loads(out_json.read_text())
@@ -212,6 +216,8 @@ def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
     assert rows["paged, whole prompts"]["kv_cache_mb"] == pytest.approx(
         40 * 8 * 2 * 4 * 4 * 32 * 4 / 2**20)  # blocks x tokens x (K, V) x layers x heads x d_head x fp32
     assert set(result["sweep"]["variants"]) == set(rows)
+    assert result["headline"]["technique"] == "continuous vs static batching, paged KV cache: 6-request trace, batch 2"
+    assert result["headline"]["figure"].startswith("throughput ") and "of its reserved slots" in result["headline"]["figure"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -243,6 +249,9 @@ def test_main_continuous_batching_prefix_sharing_end_to_end(real_data, tmp_path,
         off, on = rows[f"{trace}, no sharing"], rows[f"{trace}, prefix sharing"]
         assert off["hit_rate"] == 0 < on["hit_rate"] and on["computed"] < off["computed"]
     assert result["system_len"] == 64 and all(n > 64 for n in result["prompt_lens"]["system_prompt"])
+    assert result["headline"]["technique"] == ("prefix sharing in the paged engine: 64-token system prompt, "
+                                               "2-turn conversations")
+    assert "with a pool of 64 blocks" in result["headline"]["figure"]
 
 
 @pytest.mark.parametrize("script, flags", [
@@ -253,11 +262,12 @@ def test_main_continuous_batching_prefix_sharing_end_to_end(real_data, tmp_path,
     (main_continuous_batching, ["--chunk-size", "0"]), (main_continuous_batching, ["--n-blocks", "0"]),
     (main_continuous_batching, ["--n-blocks", "15"]), (main_continuous_batching, ["--block-size", "129"]),
     (main_continuous_batching, ["--prompt-median", "128"]), (main_continuous_batching, ["--output-median", "0"]),
-    (main_continuous_batching, ["--plot-batch-sizes", "0"]), (main_continuous_batching, ["--bogus"]),
+    (main_continuous_batching, ["--sweep-batch-sizes", "0"]), (main_continuous_batching, ["--bogus"]),
     (main_continuous_batching, ["--plot", "out.txt"]), (main_continuous_batching, ["--variants", "fast"]),
     (main_continuous_batching, ["--variants", "paged", "paged"]),
     (main_continuous_batching, ["--prefix-sharing", "--variants", "paged"]),
     (main_continuous_batching, ["--prefix-sharing", "--plot", "p.png"]),
+    (main_continuous_batching, ["--plot", "p.png"]), (main_continuous_batching, ["--prefix-sharing", "--sweep-batch-sizes", "2"]),
     (main_continuous_batching, ["--prefix-sharing", "--n-requests", "3"]),
     (main_continuous_batching, ["--prefix-sharing", "--system-len", "100", "--prompt-median", "28"]),
     (main_continuous_batching, ["--prefix-sharing", "--output-median", "32"]),
@@ -269,3 +279,61 @@ def test_bad_flags_are_clear_errors_before_any_work(script, flags, capsys, monke
         script.main(["--untrained", "--device", "cpu"] + flags)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_median_figures_is_the_repositorys_one_median():
+    runs = [dict(tpot_ms=1.0, steps=4, tokens_per_s=None), dict(tpot_ms=4.0, steps=6, tokens_per_s=10.0)]
+    assert serving.median_figures(runs) == {"tpot_ms": iu.median([1.0, 4.0]), "steps": 5, "tokens_per_s": None}
+    assert serving.median_figures(runs[:1] * 3) == runs[0]
+
+
+def test_the_long_prompt_run_has_the_chunked_prefill_headline(real_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(main_continuous_batching.training, "validation_loss", lambda model, data: 4.2)
+    out_json = tmp_path / "c.json"
+    main_continuous_batching.main(TINY_TRACE + ["--repeats", "1", "--batch-size", "2", "--prompt-median", "64",
+                                                "--chunk-size", "4", "--variants", "paged", "chunked", "--json", str(out_json)])
+    result = json.loads(out_json.read_text())
+    assert result["headline"]["technique"].startswith("chunked prefill, trace with long prompts (median ")
+    assert result["headline"]["figure"].startswith("p99 TPOT ")
+
+
+@pytest.mark.parametrize("script, flags", [
+    (main_static_batching, []), (main_continuous_batching, ["--sweep-batch-sizes", "1", "2"])])
+def test_plot_never_changes_the_json(real_data, tmp_path, monkeypatch, script, flags):
+    monkeypatch.setattr(script.training, "validation_loss", lambda model, data: 4.2)
+    common = TINY_TRACE + ["--n-requests", "3", "--repeats", "1"] + flags
+    script.main(common + ["--json", str(tmp_path / "a.json")])
+    script.main(common + ["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert a.keys() == b.keys() and [r.keys() for r in a["rows"]] == [r.keys() for r in b["rows"]]
+    untimed = ("variant", "steps", "wasted_slot_steps", "wasted", "same", "kv_util", "kv_contig")
+    assert [[r.get(k) for k in untimed] for r in a["rows"]] == [[r.get(k) for k in untimed] for r in b["rows"]]
+    assert (tmp_path / "b.png").exists()
+
+
+@pytest.mark.parametrize("script", [main_static_batching, main_continuous_batching])
+def test_tokens_that_differ_stop_the_script_before_anything_is_timed_or_written(script, real_data, tmp_path,
+                                                                                monkeypatch):
+    wrong = lambda outputs, reference: "NO (1 differ)"  # noqa: E731  (a scheduler bug)
+    monkeypatch.setattr(serving, "same_outputs", wrong)
+    monkeypatch.setattr(iu, "time_round_robin", lambda *a, **k: pytest.fail("nothing is timed after a failed check"))
+    with pytest.raises(harness.GPTliteError, match="checks failed: .*every request's tokens equal generating it alone"):
+        script.main(TINY_TRACE + ["--n-requests", "3", "--repeats", "1", "--json", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("script, flags, flag", [
+    (main_static_batching, ["--batch-sizes", "1000000000000"], "--batch-sizes"),
+    (main_static_batching, ["--n-requests", "1000000000000"], "--n-requests"),
+    (main_continuous_batching, ["--batch-size", "1000000000000"], "--batch-size"),
+    (main_continuous_batching, ["--sweep-batch-sizes", "2", "1000000000000"], "--sweep-batch-sizes"),
+    (main_continuous_batching, ["--n-blocks", "1000000000000"], "--n-blocks"),
+    (main_continuous_batching, ["--n-requests", "1000000000000"], "--n-requests"),
+    (main_continuous_batching, ["--prefix-sharing", "--n-requests", "1000000000000"], "--n-requests")])
+def test_a_size_flag_beyond_the_machine_is_a_parser_error_before_any_work(script, flags, flag, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        script.main(["--untrained", "--device", "cpu", "--preset", "cpu"] + flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}:" in err and "give a smaller value" in err

@@ -221,7 +221,7 @@ def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_pa
     out_json, out_png = tmp_path / "pc.json", tmp_path / "pc.png"
     main_prefix_cache.main(["--untrained", "--device", "cpu", "--prefix-len", "32", "--request-len", "8",
                             "--n-tokens", "4", "--batch-sizes", "1", "2", "--n-requests", "3", "--turns", "3",
-                            "--repeats", "1", "--json", str(out_json), "--plot", str(out_png)])
+                            "--repeats", "1", "--json", str(out_json), "--sweep", "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert "fallback to plain generation (no reuse), counted (fallbacks: 1)" in printed and "meaningless" in printed
     result = json.loads(out_json.read_text())
@@ -241,12 +241,68 @@ def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_pa
     assert all(r["ttft_ms"] > 0 and r["peak_mem_mb"] > 0 for r in rows)
     assert set(result["ttft_sweep"]) == {"1", "2"} and result["ttft_sweep"]["2"]["prefix_len"][-1] == 120
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["headline"]["technique"] == "prefix caching, 32-token prefix + 8-token requests"
+    assert result["headline"]["figure"].startswith("TTFT without / with the post's cache: ")
+    assert "at batch 2, " in result["headline"]["figure"] and "store" in result["headline"]["figure"]
+
+
+SMALL = ["--untrained", "--device", "cpu", "--prefix-len", "16", "--request-len", "8", "--n-tokens", "2",
+         "--batch-sizes", "1", "--n-requests", "2", "--turns", "2", "--repeats", "1"]
+
+
+def test_main_prefix_cache_plot_never_changes_the_json(real_data, tmp_path, monkeypatch):
+    import json
+
+    import main_prefix_cache
+    monkeypatch.setattr(training, "validation_loss", lambda model, data: 4.2)
+    main_prefix_cache.main(SMALL + ["--sweep", "--json", str(tmp_path / "a.json")])
+    main_prefix_cache.main(SMALL + ["--sweep", "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert a.keys() == b.keys() and a["ttft_sweep"].keys() == b["ttft_sweep"].keys()
+    timed = ("ttft_ms", "tpot_ms", "tokens_per_s", "peak_mem_mb", "ttft_speedup")
+    assert [{k: v for k, v in r.items() if k not in timed} for r in a["rows"]] == \
+        [{k: v for k, v in r.items() if k not in timed} for r in b["rows"]]
+    assert a["multi_turn_stats"] == b["multi_turn_stats"] and a["ttft_sweep"]["1"]["prefix_len"] == \
+        b["ttft_sweep"]["1"]["prefix_len"]
+
+
+def test_main_prefix_cache_tokens_that_differ_stop_it_before_anything_is_timed_or_written(real_data, tmp_path,
+                                                                                          monkeypatch):
+    import inference_utils as iu
+    import main_prefix_cache
+    right = main_prefix_cache.generate_kvcache
+
+    def wrong(model, prompt, n, seqlen, kv_cache=None):  # a cache bug: from a cache, the last token is off by one
+        tokens = right(model, prompt, n, seqlen, kv_cache=kv_cache).clone()
+        if kv_cache is not None:
+            tokens[:, -1] = (tokens[:, -1] + 1) % model.fc_out.out_features
+        return tokens
+    monkeypatch.setattr(main_prefix_cache, "generate_kvcache", wrong)
+    monkeypatch.setattr(iu, "compare_generation", lambda *a, **k: pytest.fail("nothing is timed after a failed check"))
+    with pytest.raises(harness.GPTliteError, match="checks failed: the post's listing"):
+        main_prefix_cache.main(SMALL + ["--json", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("flags, flag", [(["--batch-sizes", "1000000000000"], "--batch-sizes"),
+                                         (["--n-requests", "1000000000000"], "--n-requests"),
+                                         (["--turns", "1000000000000"], "--turns"),
+                                         (["--n-tokens", "1000000000000"], "--n-tokens")])
+def test_main_prefix_cache_size_flags_beyond_the_machine_are_parser_errors(flags, flag, capsys, monkeypatch):
+    import main_prefix_cache
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_prefix_cache.main(["--untrained", "--device", "cpu", "--preset", "cpu"] + flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}:" in err and "give a smaller value" in err
 
 
 @pytest.mark.parametrize("flags", [["--prefix-len", "0"], ["--prefix-len", "120", "--request-len", "16"],
                                    ["--n-tokens", "1"], ["--turns", "1"], ["--n-requests", "1"],
                                    ["--batch-sizes", "2", "2"], ["--block-size", "0"], ["--block-size", "256"],
-                                   ["--capacity-tokens", "8"], ["--repeats", "0"], ["--plot", "x.txt"], ["--bogus"]])
+                                   ["--capacity-tokens", "8"], ["--repeats", "0"], ["--plot", "x.txt"], ["--bogus"],
+                                   ["--plot", "p.png"]])
 def test_main_prefix_cache_bad_flags_are_errors_before_any_work(flags, capsys, monkeypatch):
     import inference_utils as iu
     import main_prefix_cache

@@ -677,6 +677,21 @@ def test_main_semantic_cache_end_to_end(real_data, encoder, tmp_path, capsys, mo
     assert sum(stream.values()) == n_pairs and stream["wrong_hits"] <= 0.1 * (stream["right_hits"] + stream["wrong_hits"])
     assert result["best_threshold"]["precision"] >= 0.9
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["headline"]["technique"] == f"semantic caching, threshold {sc.DEFAULT_THRESHOLD}"
+    assert result["headline"]["figure"].startswith(f"precision {at_default['precision']:.3f}, recall "
+                                                   f"{at_default['recall']:.3f} on {n_pairs} labelled pairs; a semantic hit")
+    (table,) = result["tables"]
+    assert table["title"] == "The threshold sweep on the labelled pairs:" and table["rows"] == result["threshold_table"]
+    assert [c[1] for c in table["columns"]] == ["threshold", "precision", "recall", "hit rate"]
+
+
+def test_main_semantic_cache_a_huge_n_tokens_is_a_parser_error_before_any_work(capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        main_semantic_cache.main(["--untrained", "--device", "cpu", "--n-tokens", "1000000000000"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --n-tokens:" in err and "give a smaller value" in err
 
 
 @pytest.mark.parametrize("flags", [["--threshold", "1.5"], ["--threshold", "-2"], ["--pairs", "/no/such.tsv"],
