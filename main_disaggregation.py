@@ -253,8 +253,8 @@ def experiment(args, preset, d, data):
     rows = make_rows(results)
     prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
     print(f"\ntrace: {len(requests)} requests, Poisson arrivals at {args.rate:g}/s over {arrivals[-1]:.2f} s, prompt "
-          f"lengths p50/max {np.median(prompt_lens):.0f}/{max(prompt_lens)}, output lengths p50/max "
-          f"{np.median(output_lens):.0f}/{max(output_lens)}; batch size {args.batch_size}, KV blocks of "
+          f"lengths p50/max {iu.median(prompt_lens):.0f}/{max(prompt_lens)}, output lengths p50/max "
+          f"{iu.median(output_lens):.0f}/{max(output_lens)}; batch size {args.batch_size}, KV blocks of "
           f"{args.block_size}; backend {d.backend}. Every request's tokens equal generate_kvcache alone (checked).")
     print(f"median of {args.repeats} runs per variant, round-robin, on the wall clock. TTFT from arrival (the "
           "disaggregated first token counts when the decode worker has it), TPOT p50/p99 over requests, tok/s: new "

@@ -286,9 +286,11 @@ def save_json(path, script, preset, device, rows, untrained=False, **extra):
 
 
 def save_plot(fig, path):
-    """Save a matplotlib figure as PNG (temp file, then rename)."""
+    """Save a matplotlib figure as PNG (temp file, then rename), then close it."""
+    import matplotlib.pyplot as plt
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
     print(f"saved {path}")
 
 
