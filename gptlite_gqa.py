@@ -20,10 +20,9 @@ import torch
 import torch.nn as nn
 
 from gptlite import GPTliteConfig
-from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, \
-    scaled_dot_product_attention_kv_cache
-from lib.errors import CheckpointError
+from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, scaled_dot_product_attention_kv_cache
 from lib import files
+from lib.errors import CheckpointError
 
 
 def group_counts(n_heads):

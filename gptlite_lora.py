@@ -19,8 +19,8 @@ import torch.nn as nn
 
 import inference_utils as iu
 from gptlite_kvcache import generate_kvcache
-from lib.errors import GPTliteError
 from lib import corpus
+from lib.errors import GPTliteError
 
 # The linear layers an adapter may target, named as in a block (peft's target_modules match these suffixes).
 LORA_TARGETS = ("query_proj", "key_proj", "value_proj", "out_proj", "ffwd.net.0", "ffwd.net.2")

@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from gptlite import GPTliteConfig, MultiHeadAttention
 from gptlite_gqa import grouped_query_attention
-from gptlite_kvcache import GPTlite_KVCache, KVCache, check_cache_shape, layer_cache, \
-    scaled_dot_product_attention_kv_cache
+from gptlite_kvcache import (GPTlite_KVCache, KVCache, check_cache_shape, layer_cache,
+                             scaled_dot_product_attention_kv_cache)
 
 
 def max_latent(n_heads, d_head, d_model):

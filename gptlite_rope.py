@@ -13,9 +13,9 @@ KVCache (kv_budget's budgets evict and select through it).
 import torch
 import torch.nn as nn
 
+import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_kvcache import Block_KVCache, DynamicKVCache, KVCache, MultiHeadAttention_KVCache, layer_cache
-import inference_utils as iu
 from lib import files, harness, presets
 
 

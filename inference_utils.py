@@ -13,11 +13,10 @@ import torch
 
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from lib.presets import get_preset
 from lib.errors import CheckpointError, GPTliteError  # noqa: F401 (GPTliteError: re-exported)
 from lib.files import checkpoint_path, gptlite_command, load_checkpoint, save_checkpoint
+from lib.presets import get_preset
 from lib.training import train_steps
-
 
 # ----------------------------------------------------------------------------------------------------
 # Model loading: load or train, one rule for every trained file.

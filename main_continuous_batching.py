@@ -30,11 +30,10 @@ import numpy as np
 import torch
 
 import inference_utils as iu
-from lib import serving
 from gptlite import GPTlite
-from main_static_batching import next_tokens, static_batching
+from lib import harness, serving, training
 from lib.paged_engine import PagedEngine
-from lib import harness, training
+from main_static_batching import next_tokens, static_batching
 
 
 def continuous_batching(model, requests, batch_size, seqlen, clock=None):

@@ -37,14 +37,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib import distributed
 import inference_utils as iu
-from lib import serving
-from lib.disaggregation import PREFILL_RANK, LiveClock, makespan_throughput, serve_disaggregated
 from gptlite_kvcache import GPTlite_KVCache
-from lib.paged_engine import PagedEngine
+from lib import distributed, files, harness, serving
+from lib.disaggregation import PREFILL_RANK, LiveClock, makespan_throughput, serve_disaggregated
 from lib.errors import GPTliteError
-from lib import files, harness
+from lib.paged_engine import PagedEngine
 
 COLOCATED_THREADS = 2  # the colocated engine gets the two workers' threads together
 

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lib import attention_benchmark as ab
 import inference_utils as iu
 from gptlite import MultiHeadAttention
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
+from lib import attention_benchmark as ab
 from lib import corpus, harness, training
 
 ATOL = 1e-4  # float32 logits of a trained model (units to tens), summed in another order by the fused kernels

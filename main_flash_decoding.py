@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 import inference_utils as iu
-from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
+from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as reference_attention
-from lib import attention_benchmark as ab, corpus, harness
+from gptlite_kvcache import swap_attention
+from lib import attention_benchmark as ab
+from lib import corpus, harness
 
 ATOL = 1e-5  # float32 attention outputs on random unit inputs
 LOGITS_ATOL = 1e-4  # float32 logits of a trained model (units to tens)

@@ -24,8 +24,8 @@ import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
-from gptlite_mla import MultiHeadAttention_MLA, convert_mha_to_mla  # noqa: F401 (the post's listings, importable here)
-from gptlite_mla import max_latent, mla_from_mha
+from gptlite_mla import (MultiHeadAttention_MLA,  # noqa: F401 (the post's listings, importable here)
+                         convert_mha_to_mla, max_latent, mla_from_mha)
 from lib import corpus, harness, training
 from main_gqa import check_sizes  # the same models, windows and generation
 

@@ -25,9 +25,9 @@ import torch
 import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_kvcache import kv_cache_view
-from lib.moba import moba_attention, select_blocks  # noqa: F401 (the post's listing: the selection and the mask)
-from lib.moba import GPTlite_MoBA, MoBACache, attention_cost, keys_read, make_flex_check, n_blocks
 from lib import corpus, files, harness, training
+from lib.moba import (GPTlite_MoBA, MoBACache,  # noqa: F401 (the post's listing: the selection and the mask)
+                      attention_cost, keys_read, make_flex_check, moba_attention, n_blocks, select_blocks)
 
 ATOL = 1e-4  # float32 logits (units to tens): FlexAttention's online softmax sums in another order
 FLEX_ATOL = 1e-5  # float32 attention outputs on random unit inputs

@@ -29,9 +29,8 @@ import torch
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
-from lib.prefix_cache import PrefixCache, fork_static_cache
 from lib import corpus, harness, serving, training
-
+from lib.prefix_cache import PrefixCache, fork_static_cache
 
 # ----------------------------------------------------------------------------------------------------
 # The post's listing: the prefix's keys and values are computed once, every request starts from them.

@@ -29,9 +29,9 @@ import torch.nn as nn
 
 import inference_utils as iu
 from gptlite import GPTlite
-from main_distillation import distillation_loss  # the post's reuse: pruning recovers by distillation
-from lib.errors import GPTliteError
 from lib import corpus, files, harness, training
+from lib.errors import GPTliteError
+from main_distillation import distillation_loss  # the post's reuse: pruning recovers by distillation
 
 DEFAULT_ITERS = {"cpu": 200}  # distillation steps per variant; other presets: 2000
 ZEROED_ATOL = 1e-4  # float32 logits of the pruned model against the original with the same heads and neurons zeroed

@@ -26,9 +26,11 @@ import torch
 import torch.nn.functional as F
 
 import inference_utils as iu
-from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache, swap_attention
+from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as exact_attention
-from lib import attention_benchmark as ab, corpus, harness, training
+from gptlite_kvcache import swap_attention
+from lib import attention_benchmark as ab
+from lib import corpus, harness, training
 
 ATOL = 1e-5  # float32 attention outputs: the smoothing invariance
 

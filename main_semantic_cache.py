@@ -34,11 +34,13 @@ import numpy as np
 import torch
 
 import inference_utils as iu
-from lib import semantic_cache as sc
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from lib.semantic_cache import SemanticCache, sentence_transformer_embedder  # noqa: F401 (the post imports them from here)
+from lib import harness
+from lib import semantic_cache as sc
+from lib import training
 from lib.errors import GPTliteError
-from lib import harness, training
+from lib.semantic_cache import (SemanticCache,  # noqa: F401 (the post imports them from here)
+                                sentence_transformer_embedder)
 
 PAIRS = Path(__file__).resolve().parent / "lib" / "semantic_cache_pairs.tsv"
 LABELS = {"same": True, "different": False}

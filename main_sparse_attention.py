@@ -20,11 +20,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import inference_utils as iu
-from lib import kv_budget as kb
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
 from gptlite_rope import load_rope
-from lib import attention_benchmark as ab, corpus, harness, training
+from lib import attention_benchmark as ab
+from lib import corpus, harness
+from lib import kv_budget as kb
+from lib import training
 
 METHODS = ["window", "sinks", "H2O", "SnapKV", "Quest"]
 

@@ -21,9 +21,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import inference_utils as iu
-from lib import serving
 from gptlite import GPTlite
-from lib import harness, training
+from lib import harness, serving, training
 
 
 @torch.inference_mode()

@@ -25,11 +25,13 @@ import torch
 import torch.nn.functional as F
 
 import inference_utils as iu
-from lib import structured_decoding as sd
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
+from lib import attention_benchmark as ab
+from lib import harness
+from lib import structured_decoding as sd
+from lib import training
 from lib.errors import GPTliteError
-from lib import attention_benchmark as ab, harness, training
 
 
 @dataclass

@@ -34,13 +34,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lib import distributed
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, decode_n_tokens, generate_kvcache, prefill
-from gptlite_tp import RowParallelLinear, shard_state_dict  # noqa: F401 (the post's listing)
-from gptlite_tp import check_tp_size, tensor_parallel_model
+from gptlite_tp import (RowParallelLinear, check_tp_size, shard_state_dict,  # noqa: F401 (the post's listing)
+                        tensor_parallel_model)
+from lib import corpus, distributed, files, harness, training
 from lib.errors import GPTliteError
-from lib import corpus, files, harness, training
 
 ATOL = 1e-5  # float32 logits: the N partial sums are added in another order
 WORKLOADS = ("prefill", "b1", "bB")  # a batch of prompts; one decode step at batch 1; at the large batch

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lib.errors import GPTliteError
 from lib import distributed, files, harness
+from lib.errors import GPTliteError
 
 ROOT = files.ROOT
 

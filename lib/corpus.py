@@ -13,7 +13,6 @@ import torch
 from lib.errors import DataError
 from lib.files import ROOT, atomic_write_bytes
 
-
 DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATA_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 DATA_BYTES = 1_115_394

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lib import serving
 from gptlite_kvcache import KVCache, kv_cache_view
+from lib import serving
 from lib.prefix_cache import block_key, chain_keys
 
 

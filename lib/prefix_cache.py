@@ -32,7 +32,6 @@ import torch
 from gptlite import check_generation_args
 from gptlite_kvcache import StaticKVCache, decode_n_tokens, generate_kvcache, prefill
 
-
 # ----------------------------------------------------------------------------------------------------
 # 1. The post's experiment (main_prefix_cache.prefix_caching) with a static cache: fork it per request.
 

@@ -4,13 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from lib import corpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import inference_utils  # noqa: E402
 from gptlite import GPTlite  # noqa: E402
 from gptlite_kvcache import GPTlite_KVCache  # noqa: E402
+from lib import corpus  # noqa: E402
 
 # A tiny GPTlite with n_heads * d_head (24) != d_model (32), like the post's preset (384 against 512).
 TINY = dict(vocab_size=65, d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16)
@@ -37,7 +37,6 @@ def real_data():
     path = os.environ.get("GPTLITE_DATA")
     if not path or not Path(path).is_file():
         pytest.skip("GPTLITE_DATA does not point at tinyshakespeare.txt (CI sets it; tests never download)")
-    import inference_utils as iu
     return corpus.load_data(path)
 
 

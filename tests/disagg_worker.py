@@ -21,12 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import inference_utils as iu  # noqa: E402
+from gptlite_kvcache import GPTlite_KVCache  # noqa: E402
 from lib import disaggregation  # noqa: E402
 from lib import distributed  # noqa: E402
-import inference_utils as iu  # noqa: E402
-from lib import files, harness  # noqa: E402
 from lib import serving  # noqa: E402
-from gptlite_kvcache import GPTlite_KVCache  # noqa: E402
+from lib import files, harness  # noqa: E402
 
 CONFIG = dict(vocab_size=65, d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16)  # TINY
 TIMEOUT_S = 300  # a transfer or barrier of a correct run

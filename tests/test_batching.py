@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
 import main_continuous_batching
 import main_static_batching
-from lib import harness, serving
-from conftest import TINY
 from gptlite_kvcache import generate_kvcache
+from lib import harness, serving
 from main_continuous_batching import continuous_batching
 from main_static_batching import next_tokens, static_batching
 

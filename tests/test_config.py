@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
-from conftest import TINY
 from gptlite import GPTlite, GPTliteConfig
 from gptlite_gqa import GPTlite_GQA, GQAConfig
 from gptlite_kvcache import GPTlite_KVCache

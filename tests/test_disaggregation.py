@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from lib import distributed
-import main_disaggregation
 from conftest import TINY
-from lib.disaggregation import LiveClock, admit_prefilled, checksum, engine_parts, kv_of, makespan_throughput
+
+import main_disaggregation
 from gptlite_kvcache import generate_kvcache, prefill
+from lib import distributed
+from lib.disaggregation import LiveClock, admit_prefilled, checksum, engine_parts, kv_of, makespan_throughput
 from lib.paged_engine import Sequence
 
 WORKER = Path(__file__).resolve().parent / "disagg_worker.py"

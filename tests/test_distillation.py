@@ -4,16 +4,16 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
+from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
 
 import inference_utils as iu
 import main_distillation
-from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from main_distillation import distillation_loss, distillation_loss_fn, student_preset
-from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
-from lib.errors import GPTliteError
 from lib import files, harness, presets, training
+from lib.errors import GPTliteError
+from main_distillation import distillation_loss, distillation_loss_fn, student_preset
 
 
 def logits_pair(seed=0, shape=(2, 5, 65)):

@@ -9,15 +9,16 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lib import attention_benchmark as ab, harness
 import inference_utils as iu
 import main_flash_attention as mfa
-from lib.errors import GPTliteError
-from conftest import TINY
 from gptlite import MultiHeadAttention, generate, scaled_dot_product_attention
 from gptlite_kvcache import StaticKVCache, generate_kvcache, scaled_dot_product_attention_kv_cache
+from lib import attention_benchmark as ab
+from lib import harness
+from lib.errors import GPTliteError
 
 ATOL = 1e-5  # float32
 SEQLEN = TINY["seqlen"]

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
 import main_flash_decoding as mfd
-from conftest import TINY
 from gptlite_kvcache import generate_kvcache
-from main_flash_decoding import flash_decoding
 from lib import harness
+from main_flash_decoding import flash_decoding
 
 ATOL = 1e-5  # float32
 SEQLEN = TINY["seqlen"]

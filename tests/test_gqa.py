@@ -4,15 +4,15 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
 import main_gqa
-from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, group_counts, load_gqa
 from gptlite_kvcache import StaticKVCache, generate_kvcache
-from lib.errors import CheckpointError, GPTliteError
 from lib import files, harness, presets, training
+from lib.errors import CheckpointError, GPTliteError
 
 ATOL = 1e-5  # float32
 SEQLEN, H, D = TINY["seqlen"], TINY["n_heads"], TINY["d_head"]

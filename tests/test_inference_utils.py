@@ -14,13 +14,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
-from conftest import TINY
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache
-from lib.errors import CheckpointError, DataError, GPTliteError, TrainingDiverged
 from lib import corpus, files, harness, presets, training
+from lib.errors import CheckpointError, DataError, GPTliteError, TrainingDiverged
 
 TINY_PRESET = presets.Preset("tiny", d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16,
                         batch_size=8, lr=3e-3, iters=3)

@@ -1,11 +1,11 @@
 """The KV cache (dynamic and static) against the model without a cache: logits and greedy tokens."""
 import pytest
 import torch
-
 from conftest import TINY
+
 from gptlite import generate, scaled_dot_product_attention
-from gptlite_kvcache import (StaticKVCache, decode_one_token, generate_kvcache,
-                             kv_cache_length, scaled_dot_product_attention_kv_cache)
+from gptlite_kvcache import (StaticKVCache, decode_one_token, generate_kvcache, kv_cache_length,
+                             scaled_dot_product_attention_kv_cache)
 
 ATOL = 1e-5  # float32
 SEQLEN = TINY["seqlen"]

@@ -8,14 +8,14 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
 
 import inference_utils as iu
 import main_linear_attention as mla
-from conftest import TINY
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import RULES, GPTlite_Linear, LinearAttention, chunked, recurrent, recurrent_step
-from lib.errors import CheckpointError
 from lib import harness, training
+from lib.errors import CheckpointError
 
 ATOL = 1e-5  # float32, unit-scale inputs
 B, H, D = 2, 3, 8

@@ -4,9 +4,9 @@ at a time, an explicit softmax, the original model with heads and neurons masked
 import numpy as np
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
-from conftest import TINY
 from lib import corpus, training
 
 SEQLEN = TINY["seqlen"]  # 16

@@ -4,16 +4,16 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
+from test_gqa import (diverging_loss, greedy_without_cache, one_batch_validation, positive_or_none,  # noqa: F401
+                      prefill_then_steps, random_tokens)
 
 import inference_utils as iu
 import main_mla
-from conftest import TINY
 from gptlite_kvcache import StaticKVCache, generate_kvcache
 from gptlite_mla import GPTlite_MLA, convert_mha_to_mla, max_latent
-from test_gqa import (diverging_loss, greedy_without_cache, one_batch_validation, positive_or_none,  # noqa: F401
-                      prefill_then_steps, random_tokens)
-from lib.errors import GPTliteError
 from lib import harness, presets
+from lib.errors import GPTliteError
 
 ATOL = 1e-5  # float32, the same weights computed two ways
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion (an SVD in float64, cast back) against MHA

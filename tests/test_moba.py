@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
 import main_moba
-from conftest import TINY
 from gptlite import GPTlite
-from lib.moba import (GPTlite_MoBA, attention_cost, check_moba_args, keys_read, moba_attention, moba_flex_attention,
-                  moba_mask, select_blocks)
 from lib import files, harness, presets, training
+from lib.moba import (GPTlite_MoBA, attention_cost, check_moba_args, keys_read, moba_attention, moba_flex_attention,
+                      moba_mask, select_blocks)
 
 ATOL = 1e-6  # float32 attention outputs on random unit inputs
 

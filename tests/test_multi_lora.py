@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
+from conftest import TINY
 
 import gptlite_lora as gl
 import inference_utils as iu
 import main_multi_lora
-from conftest import TINY
 from gptlite import GPTlite
 from lib import files, harness, presets, training
 from lib.errors import GPTliteError, TrainingDiverged

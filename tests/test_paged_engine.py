@@ -3,13 +3,12 @@ blocks (reference counts, LRU eviction, copy-on-write), and every request's toke
 it alone."""
 import pytest
 import torch
-
-from lib import paged_engine
-from lib import serving
 from conftest import TINY
+from test_batching import SEQLEN, assert_same, one_at_a_time, random_requests
+
+from lib import paged_engine, serving
 from lib.paged_engine import BlockManager, PagedEngine, Scheduler, Sequence
 from lib.prefix_cache import chain_keys
-from test_batching import SEQLEN, assert_same, one_at_a_time, random_requests
 
 
 def test_block_manager_allocates_on_demand_frees_and_maps_slots():

@@ -2,11 +2,11 @@
 generation without them; the block hash chain; LRU eviction; the fallback past the window."""
 import pytest
 import torch
-
 from conftest import TINY
+
 from gptlite_kvcache import StaticKVCache, generate_kvcache
-from lib.prefix_cache import PrefixCache, chain_keys, fork_static_cache
 from lib import harness, training
+from lib.prefix_cache import PrefixCache, chain_keys, fork_static_cache
 
 SEQLEN = TINY["seqlen"]  # 16
 BS = 4  # blocks of 4 tokens: several blocks fit the tiny model's 16-token window
@@ -215,6 +215,7 @@ def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_pa
 
     import inference_utils as iu
     import main_prefix_cache
+
     # the standard evaluation (20 batches of 32 x 128) takes seconds and has its own tests; the script
     # only reports it, the same for every row
     monkeypatch.setattr(training, "validation_loss", lambda model, data: 4.2)

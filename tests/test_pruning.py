@@ -5,18 +5,18 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
+from test_distillation import quick_validation_loss
+from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
 
 import inference_utils as iu
 import main_pruning
-from conftest import TINY
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from inference_utils import kv_cache_model
-from main_pruning import compute_importance, logits_with_zeroed, prune, prune_linear, top_indices
-from test_distillation import quick_validation_loss
-from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
-from lib.errors import GPTliteError
 from lib import corpus, files, harness, presets, training
+from lib.errors import GPTliteError
+from main_pruning import compute_importance, logits_with_zeroed, prune, prune_linear, top_indices
 
 D_FF = 4 * TINY["d_model"]
 

@@ -2,9 +2,9 @@
 against the model's own full forward pass, training and reloading a checkpoint (tiny models)."""
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
-from conftest import TINY
 from gptlite_rope import GPTlite_RoPE, apply_rope, rope_tables, train_rope
 from lib import files, presets, training
 

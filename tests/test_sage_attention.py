@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
 
 import inference_utils as iu
 import main_sage_attention as msa
-from conftest import TINY
-from main_sage_attention import sage_attention
 from lib import harness
+from main_sage_attention import sage_attention
 
 ATOL = 1e-5  # float32
 

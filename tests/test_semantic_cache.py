@@ -14,7 +14,9 @@ import torch
 
 import inference_utils as iu
 import main_semantic_cache
-from lib import harness, presets, semantic_cache as sc, training
+from lib import harness, presets
+from lib import semantic_cache as sc
+from lib import training
 from lib.errors import GPTliteError
 from lib.semantic_cache import ScopedSemanticCache
 

@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
-from lib import harness, kv_budget as kb
-import main_sparse_attention as msa
 from conftest import TINY
+
+import main_sparse_attention as msa
 from gptlite import generate
 from gptlite_kvcache import generate_kvcache
 from gptlite_rope import GPTlite_RoPE
+from lib import harness
+from lib import kv_budget as kb
 
 ALL = ["dense", "window", "sinks", "H2O", "SnapKV", "Quest"]
 

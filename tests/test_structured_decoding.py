@@ -7,14 +7,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
 
 import inference_utils as iu
 import main_structured_decoding as msd
-from lib import structured_decoding as sd
-from conftest import TINY
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from lib import corpus
+from lib import structured_decoding as sd
 from lib.errors import GPTliteError
 
 VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # tiny Shakespeare's 65

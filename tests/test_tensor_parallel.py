@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TINY
 
-from lib import distributed, harness
 import inference_utils as iu
 import main_tensor_parallel
-from conftest import TINY
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_tp import GPTlite_TP, check_tp_size, shard_state_dict, tensor_parallel_model
+from lib import distributed, harness
 from lib.errors import GPTliteError
 
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"

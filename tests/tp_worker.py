@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib import distributed  # noqa: E402
 import inference_utils as iu  # noqa: E402
-from lib import files, harness  # noqa: E402
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache  # noqa: E402
 from gptlite_tp import tensor_parallel_model  # noqa: E402
+from lib import distributed  # noqa: E402
+from lib import files, harness  # noqa: E402
 
 # TINY of conftest.py with 4 heads (2 ranks split them); n_heads * d_head (24) != d_model (32) as there
 CONFIG = dict(vocab_size=65, d_model=32, n_heads=4, d_head=6, n_layers=2, dropout_p=0.0, seqlen=16)
