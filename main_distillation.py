@@ -74,15 +74,18 @@ def student_preset(preset):
     return student
 
 
-def train_students(data, config, variants, iters, batch_size, lr, seed, device):
-    """One student per {name: loss_fn}, each with the same initial weights, batches and schedule.
-    Returns {name: student in eval mode} and {name: validation history}."""
+def train_students(data, config, variants, iters, batch_size, lr, seed, device, temperature=None):
+    """One student per {name: loss_fn}, each with the same initial weights, batches and schedule; a diverged
+    one names the temperature of its soft labels. Returns {name: student in eval mode} and {name: validation
+    history}."""
     students, histories = {}, {}
     for name, loss_fn in variants.items():
         torch.manual_seed(seed)
         student = GPTlite(**config).to(device)
+        soft = temperature is not None and name != "hard labels"
         histories[name] = training.train_steps(student, data, iters, batch_size, config["seqlen"], lr, seed=seed,
-                                         loss_fn=loss_fn, desc=f"student, {name}")
+                                               loss_fn=loss_fn, desc=f"student, {name}",
+                                               hint=training.distillation_hint(temperature, lr) if soft else None)
         students[name] = student.eval()
     return students, histories
 
@@ -159,7 +162,7 @@ def main(argv=None):
                 "soft labels": distillation_loss_fn(teacher, args.temperature, alpha=0.0),
                 f"soft + hard (alpha={args.alpha})": distillation_loss_fn(teacher, args.temperature, args.alpha)}
     students, histories = train_students(data, config, variants, iters, batch_size, student_cfg.lr,
-                                         args.seed, device)
+                                         args.seed, device, args.temperature)
     val_losses = {name: training.validation_loss(model, data) for name, model in students.items()}
     val_losses["teacher"] = training.validation_loss(teacher, data)
     best = min(students, key=val_losses.get)

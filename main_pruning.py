@@ -314,7 +314,8 @@ def main(argv=None):
     n_heads, n_neurons = max(round(args.keep * H), 1), max(round(args.keep * d_ff), 1)
     loss = functools.partial(distillation_loss, temperature=args.temperature, alpha=args.alpha)
     distill = functools.partial(training.train_steps, data=data, batch_size=batch_size, seqlen=preset.seqlen, lr=lr,
-                                seed=args.seed, loss_fn=training.teacher_loss_fn(teacher, loss))
+                                seed=args.seed, loss_fn=training.teacher_loss_fn(teacher, loss),
+                                hint=training.distillation_hint(args.temperature, lr))
     importance = functools.partial(compute_importance, data=data, n_batches=args.calib_batches, batch_size=batch_size,
                                    seqlen=preset.seqlen, seed=args.seed)
     print(f"pruning every block from {H} heads and {d_ff} neurons to {n_heads} and {n_neurons}; "

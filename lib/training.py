@@ -133,6 +133,14 @@ def cached_matches_full(model, window, atol=1e-4):
     return (torch.cat(steps, dim=1) - full).abs().max().item() <= atol
 
 
+def distillation_hint(temperature, lr):
+    """What a diverged distillation says (train_steps' hint): the soft labels' gradients are scaled by T**2,
+    so a high temperature can diverge as surely as a high learning rate."""
+    return (f"(distillation temperature T={temperature:g}, which scales the soft labels' gradients by "
+            f"T**2 = {temperature**2:g}, and peak learning rate {lr:g}); rerun with a lower temperature or a lower "
+            "learning rate")
+
+
 def teacher_loss_fn(teacher, loss):
     """A train_steps loss_fn(model, x, y) = loss(student_logits, teacher_logits, targets=y), the frozen
     teacher's logits computed without gradient (the teacher is put in eval mode: no dropout in its labels)."""

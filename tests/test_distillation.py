@@ -12,7 +12,7 @@ import main_distillation
 from gptlite import GPTlite, generate
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from lib import files, harness, presets, training
-from lib.errors import GPTliteError
+from lib.errors import GPTliteError, TrainingDiverged
 from main_distillation import distillation_loss, distillation_loss_fn, student_preset
 
 
@@ -168,3 +168,16 @@ def test_kv_cache_tokens_that_differ_stop_the_run_before_any_timing(real_data, t
         main_distillation.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--iters", "1", "--prompt-len", "8",
                                 "--n-tokens", "2", "--repeats", "1", "--batch-size", "2", "--json", str(tmp_path / "d.json")])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_diverged_distillation_names_the_temperature_not_only_the_learning_rate(real_data):
+    """Soft labels scale the gradients by T**2: a divergence of a distilled student names T; the hard-label
+    student, trained as gptlite.py trains, names the learning rate as before."""
+    nan_loss = lambda model, x, y: training.cross_entropy_loss(model, x, y) * float("nan")  # noqa: E731
+    config = dict(TINY, vocab_size=len(real_data.vocab))
+    for name, message in [("soft labels", r"\(distillation temperature T=4, which scales the soft labels' gradients "
+                                          r"by T\*\*2 = 16, and peak learning rate 0.001\); rerun with a lower "
+                                          r"temperature or a lower learning rate. Nothing was saved"),
+                          ("hard labels", r"\(peak learning rate 0.001\); rerun with a lower learning rate. Nothing")]:
+        with pytest.raises(TrainingDiverged, match=message):
+            main_distillation.train_students(real_data, config, {name: nan_loss}, 2, 2, 1e-3, 0, "cpu", temperature=4.0)
