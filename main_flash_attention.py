@@ -209,11 +209,7 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     at_least = harness.int_at_least
-    parser.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt length in characters")
-    parser.add_argument("--n-tokens", type=at_least(2), default=64, help="new tokens generated per prompt")
-    parser.add_argument("--batch-size", type=at_least(1), default=8, help="prompts generated together")
-    parser.add_argument("--repeats", type=at_least(1), default=5,
-                        help="timed runs per figure, median taken (after one warm-up)")
+    harness.add_generation_flags(parser, batch_size=8, prompt_len=64, n_tokens=64, repeats=5)
     parser.add_argument("--val-batches", type=at_least(1), default=20,
                         help="validation batches (of 32 x seqlen) for the loss")
     parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192],

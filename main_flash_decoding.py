@@ -163,11 +163,7 @@ def parse_args(argv):
                         help="n_splits values of flash_decoding, increasing, at most the shortest context")
     parser.add_argument("--bench-batch", type=at_least(1), default=1,
                         help="sequences of the benchmark (FlashDecoding is for small batches)")
-    parser.add_argument("--repeats", type=at_least(1), default=20,
-                        help="timed runs per figure, median taken (after one warm-up); a run takes milliseconds")
-    parser.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt length of the model check")
-    parser.add_argument("--n-tokens", type=at_least(2), default=64, help="new tokens per prompt in the model check")
-    parser.add_argument("--batch-size", type=at_least(1), default=4, help="prompts of the model check")
+    harness.add_generation_flags(parser, batch_size=4, prompt_len=64, n_tokens=64, repeats=20)
     args = parser.parse_args(argv)
     return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
 

@@ -84,10 +84,7 @@ def parse_args(argv):
     add("--uptrain-steps", type=harness.int_at_least(1), default=None,
         help="training steps after conversion, for every variant (default: 5%% of the preset's)")
     add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
-    add("--batch-size", type=harness.int_at_least(1), default=64, help="prompts generated together when timing")
-    add("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length in characters")
-    add("--n-tokens", type=harness.int_at_least(2), default=64, help="new tokens generated per prompt")
-    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    harness.add_generation_flags(parser, batch_size=64, prompt_len=32, n_tokens=64, repeats=3)
     add("--save", default=None, metavar="PATH",
         help="also save the uptrained GQA model there (default: not saved); load it with gptlite_gqa.load_gqa")
     add("--save-groups", type=harness.int_at_least(1), default=None,

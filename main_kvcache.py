@@ -26,12 +26,9 @@ from lib import corpus, harness, serving, training
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
-    parser.add_argument("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length in characters")
-    parser.add_argument("--n-tokens", type=harness.int_at_least(2), default=128, help="new tokens generated per prompt")
+    harness.add_generation_flags(parser, prompt_len=32, n_tokens=128, repeats=5)
     parser.add_argument("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8],
                         help="numbers of prompts generated together, a row group each")
-    parser.add_argument("--repeats", type=harness.int_at_least(1), default=5,
-                        help="timed runs per figure, median taken (after one warm-up)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time TPOT against the number of generated tokens (8 to 2 x --n-tokens) at each "
                              "batch size: the JSON's tpot_sweep, the curves that --plot draws")

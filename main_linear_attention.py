@@ -242,9 +242,7 @@ def parse_args(argv):
     add = parser.add_argument
     add("--contexts", type=harness.int_at_least(1), nargs="+", default=[128, 256, 512, 1024],
         help="prompt lengths of the memory and time part (tokens)")
-    add("--batch-size", type=harness.int_at_least(1), default=4, help="sequences decoded together when timing")
-    add("--n-tokens", type=harness.int_at_least(1), default=16, help="decoding steps timed per run")
-    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
+    harness.add_generation_flags(parser, batch_size=4, n_tokens=16, repeats=3, least_tokens=1)
     add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
     add("--pairs", type=harness.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
         help="numbers of key-value pairs of the recall evaluation (the largest is also the training maximum)")

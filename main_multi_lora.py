@@ -192,14 +192,11 @@ def parse_args(argv):
     add("--lora-batch-size", type=harness.int_at_least(1), default=8, help="fine-tuning batch, in windows of seqlen")
     add("--lr", type=harness.positive_float, default=1e-3,
         help="peak learning rate of fine-tuning (3e-3 overfits the smaller speakers within 200 steps)")
-    add("--batch-size", type=harness.int_at_least(1), default=32, help="requests served together (the mixed batch)")
+    harness.add_generation_flags(parser, batch_size=32, prompt_len=16, n_tokens=32, repeats=3)
     add("--adapter-counts", nargs="+", type=harness.int_at_least(1), default=[1, 2, 4, 8, 16, 32], metavar="N",
         help="distinct adapters in the batch, one point each (at most --batch-size)")
-    add("--prompt-len", type=harness.int_at_least(1), default=16, help="prompt length in characters")
-    add("--n-tokens", type=harness.int_at_least(2), default=32, help="new tokens generated per request")
     add("--val-batches", type=harness.int_at_least(1), default=20,
         help="validation batches (32 windows each) per loss figure")
-    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per figure (median, after a warm-up)")
     args = parser.parse_args(argv)
     args.alpha = args.alpha if args.alpha is not None else 2.0 * args.rank
     args.targets = sorted(set(args.targets), key=LORA_TARGETS.index)

@@ -252,7 +252,7 @@ def parse_args(argv):
     parser.add_argument("--prefix-len", type=at_least(1), default=96, help="tokens of the shared prefix (system prompt)")
     parser.add_argument("--request-len", type=at_least(1), default=16,
                         help="tokens of each request after the prefix, and of each multi-turn message")
-    parser.add_argument("--n-tokens", type=at_least(2), default=16, help="new tokens per request")
+    harness.add_generation_flags(parser, n_tokens=16, repeats=10)
     parser.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 8],
                         help="batch sizes of the post's experiment, a row group each")
     parser.add_argument("--n-requests", type=at_least(2), default=8,
@@ -261,8 +261,6 @@ def parse_args(argv):
     parser.add_argument("--block-size", type=at_least(1), default=16, help="tokens per block of the PrefixCache store")
     parser.add_argument("--capacity-tokens", type=at_least(1), default=4096,
                         help="tokens the store holds before evicting least recently used blocks")
-    parser.add_argument("--repeats", type=at_least(1), default=10,
-                        help="timed runs per figure, median taken (after one warm-up)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time TTFT against the shared prefix length (16 to seqlen - --request-len), with "
                              "and without the post's cache, at each batch size: the JSON's ttft_sweep, what --plot draws")

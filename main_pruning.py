@@ -284,9 +284,7 @@ def parse_args(argv):
     add("--calib-batches", type=harness.int_at_least(1), default=8, help="calibration batches of the importance scores")
     add("--random-draws", type=harness.int_at_least(1), default=5, help="random prunings compared with the pruning by importance")
     add("--save", default=None, metavar="PATH", help="also save the best pruned model there (default: not saved)")
-    add("--prompt-len", type=harness.int_at_least(1), default=32, help="prompt length of the timed generation")
-    add("--n-tokens", type=harness.int_at_least(2), default=128, help="new tokens per prompt of the timed generation")
-    add("--repeats", type=harness.int_at_least(1), default=5, help="timed runs per figure, median taken (after a warm-up)")
+    harness.add_generation_flags(parser, prompt_len=32, n_tokens=128, repeats=5)
     args = parser.parse_args(argv)
 
     def check_args(preset):

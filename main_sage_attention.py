@@ -293,14 +293,11 @@ def parse_args(argv):
     at_least = harness.int_at_least
     parser.add_argument("--val-batches", type=at_least(1), default=10,
                         help="validation batches (of 32 x seqlen) for the loss")
-    parser.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt length of the token agreement")
-    parser.add_argument("--n-tokens", type=at_least(1), default=96, help="greedy tokens per prompt compared")
-    parser.add_argument("--batch-size", type=at_least(1), default=8, help="prompts of the token agreement")
+    harness.add_generation_flags(parser, batch_size=8, prompt_len=32, n_tokens=96, repeats=5, least_tokens=1)
     parser.add_argument("--offset", type=harness.float_in(0.0), default=5.0,
                         help="std of the per-channel offset added to K in the random inputs (K itself is N(0, 1))")
     parser.add_argument("--bench-len", type=at_least(1), default=2048,
                         help="tokens of the timed attention (batch 1, the model's heads, causal)")
-    parser.add_argument("--repeats", type=at_least(1), default=5, help="timed runs, median taken (after a warm-up)")
     args = parser.parse_args(argv)
 
     def check_args(preset):

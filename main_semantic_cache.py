@@ -151,9 +151,7 @@ def parse_args(argv):
     parser.add_argument("--pairs", default=str(PAIRS),
                         help="labelled query pairs, UTF-8 TSV: label, query_a, query_b")
     parser.add_argument("--encoder", default=sc.DEFAULT_ENCODER, help="sentence-transformers model name")
-    parser.add_argument("--n-tokens", type=harness.int_at_least(2), default=64, help="characters GPTlite generates per answer")
-    parser.add_argument("--repeats", type=harness.int_at_least(1), default=5,
-                        help="timed runs per figure, median taken (after one warm-up)")
+    harness.add_generation_flags(parser, n_tokens=64, repeats=5)
     args = parser.parse_args(argv)
     pairs = []
 

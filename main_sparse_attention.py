@@ -210,13 +210,10 @@ def parse_args(argv):
     add("--page-size", type=harness.int_at_least(1), default=8, help="Quest's page size in tokens")
     add("--n-windows", type=harness.int_at_least(1), default=64, help="validation windows of seqlen for the loss")
     add("--n-prompts", type=harness.int_at_least(1), default=8, help="prompts for the greedy-token agreement")
-    add("--prompt-len", type=harness.int_at_least(1), default=1,
-        help="prompt length in characters (prompt + tokens within the window keep dense attention exact)")
-    add("--n-tokens", type=harness.int_at_least(2), default=128, help="greedy tokens generated per prompt")
+    harness.add_generation_flags(parser, prompt_len=1, n_tokens=128, repeats=3)
     add("--stream-chars", type=harness.int_at_least(1000), default=8000, help="validation characters streamed")
     add("--segment", type=harness.int_at_least(1), default=500, help="characters per loss segment of the stream")
     add("--time-tokens", type=harness.int_at_least(2), default=256, help="stream tokens timed per variant for tok/s")
-    add("--repeats", type=harness.int_at_least(1), default=3, help="timed runs per variant (median, after a warm-up)")
     args = parser.parse_args(argv)
 
     def check_args(preset):

@@ -256,10 +256,9 @@ def parse_args(argv):
         help="speaker names the grammars allow, as the corpus writes them (default: the 8 who speak most "
              "in the validation text)")
     add("--n-outputs", type=harness.int_at_least(1), default=8, help="prompts (validation text before a turn) per variant")
-    add("--prompt-len", type=harness.int_at_least(1), default=16, help="prompt length in characters")
+    harness.add_generation_flags(parser, prompt_len=16, repeats=3)
     add("--max-lines", type=harness.int_at_least(1), default=2, help="most verse lines in a play turn")
     add("--max-line-chars", type=harness.int_at_least(4), default=48, help="most characters in a line")
-    add("--repeats", type=harness.int_at_least(1), default=3, help="timed rounds (median, after the checked warm-up)")
     args = parser.parse_args(argv)
 
     def check_window(preset, max_chars):  # past the window the post's cache drifts (gptlite_kvcache.py)

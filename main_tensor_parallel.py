@@ -165,10 +165,7 @@ def parse_args(argv):
         help="processes on this machine: with N > 1 the script starts itself under torchrun "
              "(= torchrun --nproc-per-node N main_tensor_parallel.py); under torchrun: its world size")
     add("--threads", type=harness.int_at_least(1), default=1, help="torch threads per rank (and of the 1-rank baseline)")
-    add("--batch-size", type=harness.int_at_least(1), default=64, help="the large batch: prompts prefilled and decoded")
-    add("--prompt-len", type=harness.int_at_least(1), default=64, help="prompt length in characters")
-    add("--n-tokens", type=harness.int_at_least(1), default=32, help="decode steps timed per TPOT figure")
-    add("--repeats", type=harness.int_at_least(1), default=5, help="timed rounds (median, after a warm-up round)")
+    harness.add_generation_flags(parser, batch_size=64, prompt_len=64, n_tokens=32, repeats=5, least_tokens=1)
     add("--timeout", type=harness.int_at_least(1), default=60,
         help="seconds a rank waits for a peer in a collective before it stops with an error")
     args = parser.parse_args(argv)

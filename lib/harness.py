@@ -77,6 +77,18 @@ def add_model_args(parser):
                         help="tiny Shakespeare file (default: $GPTLITE_DATA, else data/tinyshakespeare.txt)")
 
 
+def add_generation_flags(parser, batch_size=None, prompt_len=None, n_tokens=None, repeats=None, least_tokens=2):
+    """The flags of timed generation that most scripts have, each with the script's own default; a flag
+    whose default is None is not added."""
+    flags = [("--batch-size", batch_size, 1, "prompts generated together"),
+             ("--prompt-len", prompt_len, 1, "prompt length in characters"),
+             ("--n-tokens", n_tokens, least_tokens, "new tokens generated per prompt"),
+             ("--repeats", repeats, 1, "timed runs per figure, median taken (after a warm-up)")]
+    for flag, default, low, text in flags:
+        if default is not None:
+            parser.add_argument(flag, type=int_at_least(low), default=default, help=text)
+
+
 def script_parser(doc):
     """A script's argument parser: its docstring as the help text, and the common flags."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
