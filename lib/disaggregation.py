@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from lib import serving
 from lib.errors import GPTliteError
-from lib.paged_engine import BlockManager, ModelRunner, Scheduler, Sequence
+from lib.paged_engine import BlockManager, ModelRunner, Scheduler, Sequence, admit_arrivals
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 HEADER_TAG, PAYLOAD_TAG = 0, 1  # messages of one tag arrive in the order they were sent
@@ -134,10 +134,7 @@ def serve_prefill(model, requests, clock, n_blocks, block_size, max_seqs, dst=DE
     pending = deque(sorted(seqs, key=lambda s: clock.arrivals[s.seq_id]))
     stats = {"send_s": [0.0] * len(seqs), "kv_bytes": [0] * len(seqs)}
     while pending or scheduler.waiting or scheduler.running:
-        while pending and clock.arrived(pending[0].seq_id):
-            scheduler.add(pending.popleft())
-        if not (scheduler.waiting or scheduler.running):
-            clock.wait_for(pending[0].seq_id)
+        if not admit_arrivals(pending, scheduler, clock):
             continue
         with clock.step(rows=0):
             batch = scheduler.schedule()

@@ -471,6 +471,17 @@ class InvariantChecks:
         self.block_manager.check_invariants({s.seq_id: s.n_computed for s in self.scheduler.running})
 
 
+def admit_arrivals(pending, scheduler, clock):
+    """Move the requests whose arrival has passed from `pending` (in arrival order) to the scheduler; with
+    nothing to serve, wait for the next arrival instead. True when a step has work to do."""
+    while pending and clock.arrived(pending[0].seq_id):
+        scheduler.add(pending.popleft())
+    if scheduler.waiting or scheduler.running:
+        return True
+    clock.wait_for(pending[0].seq_id)
+    return False
+
+
 class PagedEngine:
     """The scheduler, the block manager and the model runner in one loop. stats=True (the default: the
     scripts report them) fills `self.stats` after each generate call through an EngineStats observer;
@@ -510,10 +521,7 @@ class PagedEngine:
         pending = deque(sorted(seqs, key=lambda s: clock.arrivals[s.seq_id]))
         observers, scheduler, n_steps = self.observers(seqlen), self.scheduler, 0
         while pending or scheduler.waiting or scheduler.running:
-            while pending and clock.arrived(pending[0].seq_id):
-                scheduler.add(pending.popleft())
-            if not (scheduler.waiting or scheduler.running):
-                clock.wait_for(pending[0].seq_id)
+            if not admit_arrivals(pending, scheduler, clock):
                 continue
             with clock.step(rows=0):  # no row computes a token that is thrown away
                 got_token = self.step(observers)

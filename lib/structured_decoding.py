@@ -86,6 +86,21 @@ def read_char(src, i):
     return ESCAPES.get(c, c), i + 2
 
 
+def read_class(src, i):
+    """The character class `[...]` or `[^...]` that starts at src[i]: ([(low, high) ranges], negated, the
+    index after its closing bracket)."""
+    negated = src[i + 1] == "^"
+    i += 2 if negated else 1
+    ranges = []
+    while src[i] != "]":
+        low, i = read_char(src, i)
+        high = low
+        if src[i] == "-" and src[i + 1] != "]":
+            high, i = read_char(src, i + 1)
+        ranges.append((low, high))
+    return ranges, negated, i + 1
+
+
 def grammar_characters(printed):
     """Characters of the string literals and of the positive character classes of a printed grammar
     (XGrammar's normal form). Negated classes ([^\\n]) are left out: they need only some vocabulary."""
@@ -98,16 +113,7 @@ def grammar_characters(printed):
                 chars.add(c)
             i += 1
         elif printed[i] == "[":
-            negated = printed[i + 1] == "^"
-            i += 2 if negated else 1
-            members = []
-            while printed[i] != "]":
-                low, i = read_char(printed, i)
-                high = low
-                if printed[i] == "-" and printed[i + 1] != "]":
-                    high, i = read_char(printed, i + 1)
-                members.append((low, high))
-            i += 1
+            members, negated, i = read_class(printed, i)
             if not negated:
                 chars.update(chr(c) for low, high in members for c in range(ord(low), ord(high) + 1))
         else:
@@ -177,16 +183,7 @@ def parse_seq(src, i, vocab):
             items.append(("text", "".join(chars)))
             i += 1
         elif c == "[":
-            negated = src[i + 1] == "^"
-            i += 2 if negated else 1
-            ranges = []
-            while src[i] != "]":
-                low, i = read_char(src, i)
-                high = low
-                if src[i] == "-" and src[i + 1] != "]":
-                    high, i = read_char(src, i + 1)
-                ranges.append((low, high))
-            i += 1
+            ranges, negated, i = read_class(src, i)
             star = i < len(src) and src[i] == "*"
             i += star
             allowed = "".join(ch for ch in vocab if any(lo <= ch <= hi for lo, hi in ranges) != negated)
