@@ -237,14 +237,13 @@ def plot_results(rows, preset, device):
 
 def headline(rows):
     """The README's row: play turns accepted with and without the grammar, model calls per character."""
-    find = lambda variant, grammar: next(r for r in rows if r["variant"] == variant and r["grammar"] == grammar)  # noqa: E731
-    turn = lambda variant: find(variant, "play turn (EBNF)")  # noqa: E731
-    direction = find("constrained + jump-forward", "stage direction (EBNF)")
+    row = {(r["variant"], r["grammar"]): r for r in rows}
+    accepted = {v: row[v, "play turn (EBNF)"]["accepted"] for v in ("unconstrained", "constrained")}
+    jump = [row["constrained + jump-forward", g]["calls_per_char"] for g in ("play turn (EBNF)", "stage direction (EBNF)")]
     return dict(technique="structured decoding (XGrammar), jump-forward",
-                figure=f"play turns accepted: {turn('unconstrained')['accepted']:.0%} unconstrained, "
-                       f"{turn('constrained')['accepted']:.0%} constrained; jump-forward: "
-                       f"{turn('constrained + jump-forward')['calls_per_char']:.2f} model calls per character on play "
-                       f"turns, {direction['calls_per_char']:.2f} on stage directions; the same text")
+                figure=f"play turns accepted: {accepted['unconstrained']:.0%} unconstrained, "
+                       f"{accepted['constrained']:.0%} constrained; jump-forward: {jump[0]:.2f} model calls per "
+                       f"character on play turns, {jump[1]:.2f} on stage directions; the same text")
 
 
 def parse_args(argv):
