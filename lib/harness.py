@@ -175,7 +175,8 @@ def report(args, script, preset, device, rows, headline, summary=(), tables=(), 
     measured: --plot never measures, and the JSON is the same with or without it."""
     print_table(rows, untrained=args.untrained)
     for t in tables:
-        print(f"\n{t['title']}\n{format_table(t['rows'], columns=t['columns'])}")
+        untrained = args.untrained and any("val_loss" in r for r in t["rows"])  # its losses marked too
+        print(f"\n{t['title']}\n{format_table(t['rows'], untrained=untrained, columns=t['columns'])}")
     if summary:
         print("\n" + "\n".join(summary))
     print(f"\n{headline['technique']}: {headline['figure']}")
