@@ -294,7 +294,7 @@ def speaker_data(data, speaker, seqlen, min_windows=8):
     """An corpus.Data of one speaker's turns in tiny Shakespeare's validation split (text the base model never
     trained on): the first 80% to fine-tune on, the last 20% to validate on. An unknown name or too little
     text is a clear error."""
-    text = data.decode(data.val.tolist())
+    text = data.val_text
     turns = speaker_turns(text, speaker)
     if not turns:
         raise GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare's validation split (names are upper case "

@@ -30,7 +30,6 @@ per request and the time the sends took, failed transfers (recomputed, never los
 import contextlib
 import io
 import os
-import sys
 
 import numpy as np
 import torch
@@ -220,20 +219,12 @@ def main(argv=None):
     if not distributed.launched():  # every flag checked here, then torchrun starts the 2 workers
         with contextlib.redirect_stdout(io.StringIO()):  # rank 0 says it again
             harness.setup(args, parser, check_args)
-        rc = distributed.launch(__file__, sys.argv[1:] if argv is None else argv, 2, timeout_s=None,
-                                capture=False).returncode
-        if rc != 0:
-            raise GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
-                                  "(torchrun's summary names it)")
-        return
-    rank0 = distributed.rank() == 0
-    with contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO()):  # rank 0 speaks
+        return distributed.relaunch(__file__, argv, 2)
+    with distributed.rank0_speaks():
         preset, device, data = harness.setup(args, parser, check_args)
-        d = distributed.init(device, args.timeout)
-        with distributed.collective_errors(args.timeout, memory_hint="lower --batch-size (it sizes both "
-                                           "workers' KV block pools)"):
-            experiment(args, preset, d, data)
-    distributed.shutdown()
+    hint = "lower --batch-size (it sizes both workers' KV block pools)"
+    with distributed.rank_group(device, args.timeout, memory_hint=hint) as d:
+        experiment(args, preset, d, data)
 
 
 def experiment(args, preset, d, data):

@@ -27,20 +27,15 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=128, repeats=5)
-    parser.add_argument("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8],
-                        help="numbers of prompts generated together, a row group each")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time TPOT against the number of generated tokens (8 to 2 x --n-tokens) at each "
-                             "batch size: the JSON's tpot_sweep, the curves that --plot draws")
+    harness.add_sweep_flags(parser, "numbers of prompts generated together, a row group each",
+                            "also time TPOT against the number of generated tokens (8 to 2 x --n-tokens) at each "
+                            "batch size: the JSON's tpot_sweep, the curves that --plot draws")
     args = parser.parse_args(argv)
     return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
 
 
 def check_args(args, parser, preset):
-    if len(set(args.batch_sizes)) != len(args.batch_sizes):
-        parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
-    if args.plot and not args.sweep:
-        parser.error("--plot draws the TPOT sweep, which only --sweep measures: add --sweep")
+    harness.check_sweep_flags(parser, args, "the TPOT sweep")
     batch = max(args.batch_sizes)  # no cache: a forward over the window; a cache: the window's keys and values
     harness.check_fits(parser, "--batch-sizes", 2 * serving.forward_bytes(preset, batch),
                        f"a batch of {batch} through the model")

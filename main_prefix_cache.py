@@ -76,10 +76,7 @@ def check_args(args, parser, preset):
         parser.error(f"--block-size must be at most seqlen={seqlen}, got {args.block_size}")
     if args.capacity_tokens < args.block_size:
         parser.error(f"--capacity-tokens must hold one block of {args.block_size}, got {args.capacity_tokens}")
-    if len(set(args.batch_sizes)) != len(args.batch_sizes):
-        parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
-    if args.plot and not args.sweep:
-        parser.error("--plot draws the TTFT sweep, which only --sweep measures: add --sweep")
+    harness.check_sweep_flags(parser, args, "the TTFT sweep")
     batch = max(args.batch_sizes)  # a forward over the window, and its cache, forked for the static variant
     harness.check_fits(parser, "--batch-sizes", 2 * serving.forward_bytes(preset, batch),
                        f"a batch of {batch} through the model")
@@ -253,17 +250,16 @@ def parse_args(argv):
     parser.add_argument("--request-len", type=at_least(1), default=16,
                         help="tokens of each request after the prefix, and of each multi-turn message")
     harness.add_generation_flags(parser, n_tokens=16, repeats=10)
-    parser.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 8],
-                        help="batch sizes of the post's experiment, a row group each")
+    harness.add_sweep_flags(parser, "batch sizes of the post's experiment, a row group each",
+                            "also time TTFT against the shared prefix length (16 to seqlen - --request-len), with "
+                            "and without the post's cache, at each batch size: the JSON's ttft_sweep, what --plot "
+                            "draws")
     parser.add_argument("--n-requests", type=at_least(2), default=8,
                         help="questions after the shared system prompt served by the store (the last one is timed)")
     parser.add_argument("--turns", type=at_least(2), default=4, help="turns of the multi-turn conversation")
     parser.add_argument("--block-size", type=at_least(1), default=16, help="tokens per block of the PrefixCache store")
     parser.add_argument("--capacity-tokens", type=at_least(1), default=4096,
                         help="tokens the store holds before evicting least recently used blocks")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time TTFT against the shared prefix length (16 to seqlen - --request-len), with "
-                             "and without the post's cache, at each batch size: the JSON's ttft_sweep, what --plot draws")
     args = parser.parse_args(argv)
     return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
 

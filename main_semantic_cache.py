@@ -132,15 +132,6 @@ def stream(cache, pairs, answer_fn):
     return counts
 
 
-def format_sweep(points):
-    """The sweep as its own table: threshold, precision, recall, hit rate, each column to one precision."""
-    places = max(2, *(len(f"{p['threshold']:g}".partition(".")[2]) for p in points))  # 0.82 and 0.855 both exact
-    lines = [f"{'threshold':>9}  {'precision':>9}  {'recall':>6}  {'hit rate':>8}", "-" * 38]
-    lines += [f"{p['threshold']:>9.{places}f}  {p['precision']:>9.3f}  {p['recall']:>6.3f}  {p['hit_rate']:>8.3f}"
-              for p in points]
-    return "\n".join(lines)
-
-
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data, pairs); the pairs file is read while
     the flags are checked, a bad one is an error before any work."""
@@ -180,8 +171,11 @@ def headline(rows, threshold, table_sweep, n_pairs):
                       "GPTlite writes it"}
 
 
-THRESHOLD_COLUMNS = [("threshold", "threshold", "{:.2f}"), ("precision", "precision", "{:.3f}"),
-                     ("recall", "recall", "{:.3f}"), ("hit_rate", "hit rate", "{:.3f}")]
+def threshold_columns(points):
+    """The sweep table's columns: each threshold written exactly (0.82 and 0.855 both), the rest to 3 places."""
+    places = max(2, *(len(f"{p['threshold']:g}".partition(".")[2]) for p in points))
+    return [("threshold", "threshold", f"{{:.{places}f}}"), ("precision", "precision", "{:.3f}"),
+            ("recall", "recall", "{:.3f}"), ("hit_rate", "hit rate", "{:.3f}")]
 
 
 def plot_curve(fine, threshold, n_pairs, encoder):
@@ -270,12 +264,12 @@ def main(argv=None):
 
     print(f"\n{len(pairs)} labelled pairs ({labels.sum()} paraphrases, {(~labels).sum()} near-misses) from {args.pairs}; "
           f"encoder {args.encoder} ({embed.source}, {embed.dim} dims, loaded in {load_time.seconds:.1f} s)")
-    print(format_sweep(table_sweep))
     print("a pair hits when the cosine similarity of its two queries is at least the threshold; precision = right "
           "hits / hits, recall = right hits / paraphrase pairs, hit rate = hits / pairs")
     print(f"\nthe cache at threshold {args.threshold}: answers of {args.n_tokens} characters, "
           f"median of {args.repeats} runs")
-    table = harness.table("The threshold sweep on the labelled pairs:", table_sweep, THRESHOLD_COLUMNS)
+    table = harness.table("The threshold sweep on the labelled pairs:", table_sweep,
+                          threshold_columns(table_sweep))
     harness.report(args, "main_semantic_cache.py", preset, device, rows,  # threshold_table: the sweep's rows
                    headline(rows, args.threshold, table_sweep, len(pairs)), tables=[table],
                    summary=summary_lines(pairs, similarities, fine, best, args.threshold, counts, stats, device),

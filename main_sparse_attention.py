@@ -235,7 +235,11 @@ def parse_args(argv):
         # every variant's logits over the stream, float32, and a batch of 64 re-encoded windows
         fits("--stream-chars", ab.generation_bytes(preset, 64, preset.seqlen)
              + args.stream_chars * (8 + 4 * 2 * preset.vocab_size), "the streamed characters' logits")
-    return (args, *harness.setup(args, parser, check_args))
+    preset, device, data = harness.setup(args, parser, check_args)
+    if args.stream_chars >= len(data.val):  # the stream and its last next character
+        parser.error(f"--stream-chars {args.stream_chars}: the validation text has {len(data.val)} characters, "
+                     f"give at most {len(data.val) - 1}")
+    return args, preset, device, data
 
 
 def main(argv=None):

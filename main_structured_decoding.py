@@ -237,14 +237,13 @@ def plot_results(rows, preset, device):
 
 def headline(rows):
     """The README's row: play turns accepted with and without the grammar, model calls per character."""
-    find = lambda variant, grammar: next(r for r in rows if r["variant"] == variant and r["grammar"] == grammar)  # noqa: E731
-    turn = lambda variant: find(variant, "play turn (EBNF)")  # noqa: E731
-    direction = find("constrained + jump-forward", "stage direction (EBNF)")
+    row = {(r["variant"], r["grammar"]): r for r in rows}
+    accepted = {v: row[v, "play turn (EBNF)"]["accepted"] for v in ("unconstrained", "constrained")}
+    jump = [row["constrained + jump-forward", g]["calls_per_char"] for g in ("play turn (EBNF)", "stage direction (EBNF)")]
     return dict(technique="structured decoding (XGrammar), jump-forward",
-                figure=f"play turns accepted: {turn('unconstrained')['accepted']:.0%} unconstrained, "
-                       f"{turn('constrained')['accepted']:.0%} constrained; jump-forward: "
-                       f"{turn('constrained + jump-forward')['calls_per_char']:.2f} model calls per character on play "
-                       f"turns, {direction['calls_per_char']:.2f} on stage directions; the same text")
+                figure=f"play turns accepted: {accepted['unconstrained']:.0%} unconstrained, "
+                       f"{accepted['constrained']:.0%} constrained; jump-forward: {jump[0]:.2f} model calls per "
+                       f"character on play turns, {jump[1]:.2f} on stage directions; the same text")
 
 
 def parse_args(argv):
@@ -272,7 +271,7 @@ def parse_args(argv):
         harness.check_fits(parser, "--n-outputs", 9 * args.n_outputs * preset.seqlen * 64
                            + ab.generation_bytes(preset, args.n_outputs, preset.seqlen), "the outputs and prompts")
     preset, device, data = harness.setup(args, parser, check_args)
-    args.speakers = check_speakers(parser, args, data, data.decode(data.val.tolist()))
+    args.speakers = check_speakers(parser, args, data)
     check_window(preset, longest_turn(args.speakers, args.max_lines, args.max_line_chars))
     return args, preset, device, data
 
@@ -282,12 +281,12 @@ def longest_turn(speakers, max_lines, max_line_chars):
     return max(map(len, speakers)) + 3 + max_lines * (max_line_chars + 1)
 
 
-def check_speakers(parser, args, data, val_text):
+def check_speakers(parser, args, data):
     """--speakers against the corpus, or the default: the most frequent speakers of the validation text."""
     if args.speakers is None:
-        return [name for name, _ in sd.corpus_speakers(val_text).most_common(8)]
+        return [name for name, _ in sd.corpus_speakers(data.val_text).most_common(8)]
     try:
-        sd.check_speakers(args.speakers, sd.corpus_speakers(data.decode(data.train.tolist()) + val_text))
+        sd.check_speakers(args.speakers, sd.corpus_speakers(data.decode(data.train.tolist()) + data.val_text))
     except ValueError as e:
         parser.error(f"--speakers: {e}")
     return args.speakers
@@ -295,7 +294,7 @@ def check_speakers(parser, args, data, val_text):
 
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
-    speakers, val_text = args.speakers, data.decode(data.val.tolist())
+    speakers, val_text = args.speakers, data.val_text
     max_chars = longest_turn(speakers, args.max_lines, args.max_line_chars)
     turns = sd.corpus_turns(val_text)
     tasks = make_tasks(speakers, data.vocab, turns, preset.seqlen, args.max_lines, args.max_line_chars)

@@ -29,7 +29,7 @@ dist.all_reduce, waiting for the slower rank included, over the step's time) wit
 import contextlib
 import functools
 import io
-import sys
+import os
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,6 @@ from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, decode_n_tokens, gen
 from gptlite_tp import (RowParallelLinear, check_tp_size, shard_state_dict,  # noqa: F401 (the post's listing)
                         tensor_parallel_model)
 from lib import corpus, distributed, files, harness, training
-from lib.errors import GPTliteError
 
 ATOL = 1e-5  # float32 logits: the N partial sums are added in another order
 WORKLOADS = ("prefill", "b1", "bB")  # a batch of prompts; one decode step at batch 1; at the large batch
@@ -178,6 +177,11 @@ def parse_args(argv):
             check_tp_size(preset.n_heads, 4 * preset.d_model, world)
         except ValueError as e:
             parser.error(f"--ranks (or torchrun's --nproc-per-node): {e}")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the ranks on this machine
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if local * args.threads > cores:  # the baseline runs local x --threads threads too
+            parser.error(f"{local} rank(s) x --threads {args.threads} exceed the {cores} CPU cores this process may use"
+                         ": the timings would measure threads waiting for a core; lower --threads or --ranks")
         device = harness.get_device(args.device)
         if device.type == "cuda" and world > torch.cuda.device_count():
             parser.error(f"{world} processes need {world} CUDA devices on this machine (NCCL: one GPU per rank); "
@@ -218,20 +222,11 @@ def headline(rows, world, backend, threads, diff):
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     if args.world > 1 and not distributed.launched():  # every flag checked here, then torchrun starts the N ranks
-        rc = distributed.launch(__file__, sys.argv[1:] if argv is None else argv, args.world, timeout_s=None,
-                                capture=False).returncode
-        if rc != 0:
-            raise GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
-                                  "(torchrun's summary names it)")
-        return
-    rank0 = not distributed.launched() or distributed.rank() == 0
-    with contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO()):  # rank 0 speaks
-        d = distributed.init(device, args.timeout)
+        return distributed.relaunch(__file__, argv, args.world)
+    hint = "lower --batch-size (its KV cache and prompts), or run fewer ranks per machine"
+    with distributed.rank_group(device, args.timeout, memory_hint=hint) as d:
         torch.set_num_threads(args.threads)
-        with distributed.collective_errors(args.timeout, memory_hint="lower --batch-size (its KV cache and "
-                                           "prompts), or run fewer ranks per machine"):
-            experiment(args, preset, d, data)
-    distributed.shutdown()
+        experiment(args, preset, d, data)
 
 
 def experiment(args, preset, d, data):

@@ -4,6 +4,7 @@
     python reproduce.py --quick                 # a smoke run in a few minutes, rendered into results/quick/
     python reproduce.py --only main_gqa.py      # rerun some scripts; the other blocks stay as they are
     python reproduce.py --skip-run              # re-render the pages from the results/ JSON of the last run
+    python reproduce.py --fresh                 # every checkpoint trained again from scratch first (about an hour)
 
 Each script runs as `python <script> --json PATH --plot PATH` (plus --device), one after the other: the
 first one trains checkpoints/<preset>.pt when it is missing. Its JSON, with the machine and date added ("reproduce"),
@@ -17,6 +18,12 @@ knows no variant of any script. A GPU's results (--device cuda) go to results/cu
 their own, `<!-- reproduce:<run>:<part>:cuda -->`, made beside the CPU's when a page lacks them: never over
 the CPU figures. On a busy machine (load average above 1.5 per core) nothing replaces the repository's
 pages unless --busy-ok says so: its timings would be distorted.
+
+After the scripts, the checkpoints they used (checkpoints/*.pt) are listed with the sha256 of their weights
+(saved in each file, verified when it is read) in results/checkpoints.json and the README's block
+`<!-- reproduce:checkpoints:table -->`: training is deterministic, so a fresh clone that runs `python
+reproduce.py --fresh` gets these hashes and the figures of the pages (timings aside). --fresh moves the
+existing checkpoints to checkpoints/before-fresh-<time>/ first, so that every script trains what it uses.
 """
 import argparse
 import datetime
@@ -118,6 +125,7 @@ RUNS = [
         quick=("--n-requests", "8", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
+CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->
 BUSY_LOAD = 1.5  # load average per core above which a run's timings do not replace the pages' figures
 
 
@@ -173,7 +181,7 @@ def check_markers(pages, runs):
     """Every CPU block the runs will write exists: a missing marker is an error before any script runs (a
     GPU's blocks are made beside the CPU's when missing)."""
     wanted = [(run.page, run.name, part) for run in runs for part in ("table", "plot")[:1 + bool(run.plot)]]
-    for page, name, part in wanted + [(SUMMARY[0], SUMMARY[1], "table")]:
+    for page, name, part in wanted + [(SUMMARY[0], SUMMARY[1], "table"), (CHECKPOINTS[0], CHECKPOINTS[1], "table")]:
         replace_block(read_text(pages / page), name, part, "", pages / page)
 
 
@@ -318,6 +326,39 @@ def summary_block(results):
             + "\n\n" + markdown_table(columns, rows))
 
 
+def checkpoint_rows(folder):
+    """Every checkpoint in `folder`, read and verified: its file, the sha256 of its config, vocabulary and
+    weights (files.checkpoint_sha256, saved in the file), its validation loss when training saved one, and
+    the command that rebuilds it."""
+    rows = []
+    for path in sorted(Path(folder).glob("*.pt")):
+        ckpt = files.load_checkpoint(path)  # a damaged file is an error here, not a hash on the page
+        meta = ckpt.get("meta") if isinstance(ckpt.get("meta"), dict) else {}
+        rows.append(dict(checkpoint=f"checkpoints/{path.name}", sha256=ckpt["sha256"], val_loss=meta.get("val_loss"),
+                         train_seconds=meta.get("train_seconds"), rebuild=meta.get("rebuild")))
+    return rows
+
+
+def record_checkpoints(results_dir, fresh):
+    """results/checkpoints.json: the checkpoints of this run (after its scripts), rendered by checkpoints_block."""
+    record = {"date": datetime.date.today().isoformat(), "fresh": fresh, "rows": checkpoint_rows(ROOT / "checkpoints")}
+    files.atomic_write_bytes((json.dumps(record, indent=2) + "\n").encode(), results_dir / "checkpoints.json")
+
+
+def checkpoints_block(record):
+    """The README's table of the checkpoints behind the figures, with their hashes."""
+    how = ("trained from scratch by `python reproduce.py --fresh`" if record["fresh"] else
+           "as the scripts found or trained them in `python reproduce.py`")
+    rows = [dict(r, sha256=f"`{r['sha256']}`", rebuild=f"`{r['rebuild']}`" if r.get("rebuild") else None)
+            for r in record["rows"]]
+    columns = [("checkpoint", "checkpoint", "{}"), ("sha256", "sha256 of config, vocabulary and weights", "{}"),
+               ("val_loss", "val loss at the end of training", "{:.4f}"), ("train_seconds", "training s", "{}"),
+               ("rebuild", "rebuilt by", "{}")]
+    if not rows:
+        return f"*The run of {record['date']} used no checkpoint (untrained weights only).*"
+    return f"*The checkpoints of the run of {record['date']}, {how}.*\n\n" + markdown_table(columns, rows)
+
+
 def load_average():
     """The machine's load average over the last minute."""
     return os.getloadavg()[0]
@@ -375,6 +416,12 @@ def render(runs, pages, results_dir, problems, device="cpu", busy_ok=True):
             edit(SUMMARY[0], SUMMARY[1], "table", summary_block({n: load_result(p) for n, p in results.items()}))
         except (ReproduceError, OSError, KeyError, TypeError, ValueError) as e:  # reported, README untouched
             problems["one-glance table"] = f"{SUMMARY[0]} left as it was: {type(e).__name__}: {e}"
+    record = results_dir / "checkpoints.json"
+    if record.is_file() and "checkpoints table" not in problems:
+        try:
+            edit(CHECKPOINTS[0], CHECKPOINTS[1], "table", checkpoints_block(json.loads(record.read_text())))
+        except (ReproduceError, OSError, KeyError, TypeError, ValueError) as e:  # reported, README untouched
+            problems["checkpoints table"] = f"{CHECKPOINTS[0]} left as it was: {type(e).__name__}: {e}"
     for page, text in edits.items():
         files.atomic_write_bytes(text.encode(), pages / page)
         print(f"wrote {pages / page}")
@@ -405,8 +452,14 @@ def parse_args(argv):
     parser.add_argument("--busy-ok", action="store_true",
                         help=f"render into the repository's pages even runs that started with a load average above "
                              f"{BUSY_LOAD:g} per core (their timings are distorted)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="train every checkpoint from scratch: checkpoints/*.pt are moved to "
+                             "checkpoints/before-fresh-<time>/ first, then each script trains what it uses")
     args = parser.parse_args(argv)
     runs = select(args.only, parser)
+    for flag in ("skip_run", "quick", "only"):
+        if args.fresh and getattr(args, flag):
+            parser.error(f"--fresh renders every page from new checkpoints: drop --{flag.replace('_', '-')}")
     try:
         device = harness.get_device(args.device).type  # a bad --device is one error now, not one per script
     except GPTliteError as e:
@@ -417,6 +470,17 @@ def parse_args(argv):
     results, pages = (out, out / "pages") if out else (ROOT / "results", ROOT)
     results = results if device == "cpu" else results / device  # each device's results apart
     return args, runs, device, results, pages, out
+
+
+def set_aside_checkpoints():
+    """--fresh: move checkpoints/*.pt to checkpoints/before-fresh-<time>/ (kept, not deleted)."""
+    old = sorted((ROOT / "checkpoints").glob("*.pt"))
+    if old:
+        aside = ROOT / "checkpoints" / f"before-fresh-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        aside.mkdir()
+        for path in old:
+            os.replace(path, aside / path.name)
+        print(f"--fresh: {len(old)} checkpoint(s) moved to {aside}; every script trains what it uses")
 
 
 def main(argv=None):
@@ -435,6 +499,8 @@ def main(argv=None):
     check_markers(pages, runs)
 
     problems = {}
+    if args.fresh:
+        set_aside_checkpoints()
     if not args.skip_run:
         bar = tqdm(runs, desc="scripts", unit="script", dynamic_ncols=True)
         for run in bar:
@@ -443,6 +509,11 @@ def main(argv=None):
             if problem:
                 problems[run.name] = problem
                 tqdm.write(f"FAILED: {problem}")
+        if not args.quick:  # a smoke run uses no checkpoint
+            try:
+                record_checkpoints(results_dir, args.fresh)
+            except GPTliteError as e:  # a damaged file: no hash of it on the page
+                problems["checkpoints table"] = f"{CHECKPOINTS[0]} left as it was: {e}"
     render(runs, pages, results_dir, problems, device, busy_ok)
     for run in runs:
         print(f"{run.name}: {'FAILED (block left as it was)' if run.name in problems else 'ok'}")

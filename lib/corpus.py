@@ -1,5 +1,6 @@
 """Data: tiny Shakespeare at character level (first 90% train, last 10%
 validation), with fixed-seed batches and prompts."""
+import functools
 import hashlib
 import http.client
 import os
@@ -39,6 +40,11 @@ class Data:
 
     def decode(self, ids):
         return "".join(self.vocab[i] for i in ids)
+
+    @functools.cached_property
+    def val_text(self):
+        """The validation split as text, decoded once."""
+        return self.decode(self.val.tolist())
 
 
 def _download(path):

@@ -25,6 +25,10 @@ The API, small on purpose (everything else is plain torch.distributed):
            capture=True, env=None)           --nproc-per-node N script args` (what torchrun does) and
                                              return the CompletedProcess; a run past timeout_s is
                                              ended, with every worker, and raises GPTliteError
+    relaunch(script, argv, nproc)            a script's own start under torchrun once its flags are
+                                             checked (launch without a limit; a failed rank raises)
+    rank_group(device, timeout_s,            a context manager: join the group, yield the Dist, only
+               memory_hint) -> Dist          rank 0 prints, collective_errors around the block, leave
     run_child(cmd, env, cwd, capture, ...)   run a command to its end in a session of its own; a
                                              SIGTERM, SIGINT or SIGHUP to this process, an exception
                                              or a timeout ends the command with every process it
@@ -34,6 +38,7 @@ Across machines, torchrun's rendezvous flags do the rest: see docs/distributed.m
 """
 import contextlib
 import datetime
+import io
 import os
 import signal
 import subprocess
@@ -234,6 +239,32 @@ def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=
 # Running a command without leaving orphans.
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+def relaunch(script, argv, nproc):
+    """Start `nproc` ranks of `script` under torchrun with the same flags (`argv`, None: sys.argv's), as
+    a script does once it has checked them; each rank then sees launched(). A failed rank raises one
+    GPTliteError that points at its traceback, which torchrun prints above."""
+    rc = launch(script, sys.argv[1:] if argv is None else argv, nproc, timeout_s=None, capture=False).returncode
+    if rc != 0:
+        raise GPTliteError(f"torchrun exited with code {rc}: the failing rank's error is above "
+                           "(torchrun's summary names it)")
+
+
+def rank0_speaks():
+    """A context in which only rank 0's stdout is shown (every rank computes the same report)."""
+    return contextlib.nullcontext() if rank() == 0 else contextlib.redirect_stdout(io.StringIO())
+
+
+@contextlib.contextmanager
+def rank_group(device, timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
+    """The body of a multi-process script: join the process group (init), yield the Dist with only rank
+    0 printing and every failure named (collective_errors), then leave the group."""
+    with rank0_speaks():
+        d = init(device, timeout_s)
+        with collective_errors(timeout_s, memory_hint):
+            yield d
+    shutdown()
 
 
 class _Stopped(BaseException):

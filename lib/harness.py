@@ -89,6 +89,21 @@ def add_generation_flags(parser, batch_size=None, prompt_len=None, n_tokens=None
             parser.add_argument(flag, type=int_at_least(low), default=default, help=text)
 
 
+def add_sweep_flags(parser, batch_help, sweep_help):
+    """--batch-sizes (a row group each, [1, 8] by default) and --sweep (the curve that --plot draws, which
+    only --sweep measures); check_sweep_flags checks them."""
+    parser.add_argument("--batch-sizes", type=int_at_least(1), nargs="+", default=[1, 8], help=batch_help)
+    parser.add_argument("--sweep", action="store_true", help=sweep_help)
+
+
+def check_sweep_flags(parser, args, curve):
+    """Refuse a repeated batch size, and --plot without the --sweep that measures its `curve`."""
+    if len(set(args.batch_sizes)) != len(args.batch_sizes):
+        parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
+    if args.plot and not args.sweep:
+        parser.error(f"--plot draws {curve}, which only --sweep measures: add --sweep")
+
+
 def script_parser(doc):
     """A script's argument parser: its docstring as the help text, and the common flags."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,7 +175,8 @@ def report(args, script, preset, device, rows, headline, summary=(), tables=(), 
     measured: --plot never measures, and the JSON is the same with or without it."""
     print_table(rows, untrained=args.untrained)
     for t in tables:
-        print(f"\n{t['title']}\n{format_table(t['rows'], columns=t['columns'])}")
+        untrained = args.untrained and any("val_loss" in r for r in t["rows"])  # its losses marked too
+        print(f"\n{t['title']}\n{format_table(t['rows'], untrained=untrained, columns=t['columns'])}")
     if summary:
         print("\n" + "\n".join(summary))
     print(f"\n{headline['technique']}: {headline['figure']}")

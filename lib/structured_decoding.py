@@ -334,8 +334,9 @@ class CharGrammar:
     def mask_logits(self, matcher, logits, bitmask):
         """Set the logits [1, vocab] of the characters the grammar forbids next to -inf, in place.
         The bits are unpacked here: xgrammar 0.2.9's CPU apply_token_bitmask_inplace, with a vocabulary
-        that is not a multiple of 32 (GPTlite's 65), writes -inf one element past the end of the row it
-        masks (into the next row's newline logit, or past the tensor)."""
+        that is not a multiple of 32 (GPTlite's 65), writes -inf one element past a row whose last character
+        ('z') is allowed (the matcher leaves the bitmask's padding bits zero): into the next row's newline
+        logit, or past the tensor. tests/test_structured_decoding.py shows it with the pinned version."""
         matcher.fill_next_token_bitmask(bitmask)
         return logits.masked_fill_(~unpack_bits(bitmask, len(self.vocab)).to(logits.device), float("-inf"))
 

@@ -1,4 +1,5 @@
 """Data, checkpoints, training, memory and reporting helpers, and their clear errors."""
+import argparse
 import hashlib
 import io
 import json
@@ -599,3 +600,16 @@ def test_any_start_up_removes_the_temp_files_of_killed_saves(tmp_path, monkeypat
     args = parser.parse_args(["--device", "cpu", "--data", os.environ["GPTLITE_DATA"]])
     harness.setup(args, parser)
     assert not any(p.exists() for p in stale) and alive.exists()
+
+
+def test_report_marks_the_untrained_losses_of_every_table_that_has_them(capsys):
+    """--untrained: a val_loss column is marked with * in the main table and in an extra table that has
+    one, not in an extra table without losses."""
+    args = argparse.Namespace(untrained=True, json=None, plot=None)
+    rows = [harness.make_row("a", val_loss=4.2)]
+    losses = harness.table("Losses:", [dict(variant="b", val_loss=4.25)])
+    times = harness.table("Times:", [dict(variant="c", ms=1.5)])
+    harness.report(args, "x.py", TINY_PRESET, "cpu", rows, dict(technique="t", figure="f"), tables=[losses, times])
+    out = capsys.readouterr().out
+    assert "4.2000*" in out and "4.2500*" in out and out.count("* untrained weights") == 2
+    assert "1.5" in out.split("Times:")[1] and "*" not in out.split("Times:")[1].split("t: f")[0]

@@ -82,6 +82,9 @@ README = """# Fake
 <!-- reproduce:summary:table -->
 old summary
 <!-- /reproduce:summary:table -->
+<!-- reproduce:checkpoints:table -->
+old checkpoints
+<!-- /reproduce:checkpoints:table -->
 """
 DOCS = """## Ok
 <!-- reproduce:ok:table -->
@@ -133,7 +136,8 @@ def test_a_failing_script_is_reported_and_leaves_its_block_while_the_others_are_
     assert (fake_repo / "docs" / "ok_cpu.png").read_bytes() == b"png of ok"
     saved = json.loads((fake_repo / "results" / "ok.json").read_text())
     assert saved["reproduce"]["command"] == "python ok.py" and saved["rows"][0]["ms"] == 1.26
-    assert (fake_repo / "README.md").read_text() == README  # the one-glance table needs every run's results
+    summary = README[:README.index("<!-- /reproduce:summary:table -->")]
+    assert (fake_repo / "README.md").read_text().startswith(summary)  # the one-glance table needs every run's results
     assert "FAILED" in capsys.readouterr().out
 
 
@@ -148,6 +152,60 @@ def test_every_run_succeeds_then_the_one_glance_table_is_rendered(fake_repo):
     reproduce.main(["--skip-run", "--only", "ok.py"])  # re-render from the saved JSON, run nothing
     page = (fake_repo / "docs" / "page.md").read_text()
     assert "| fast | 7.8 |" in page and "TPOT 7.77 ms" in (fake_repo / "README.md").read_text()
+
+
+def save_tiny_checkpoint(path, seed):
+    from gptlite import GPTlite
+    from lib import files
+    torch.manual_seed(seed)
+    model = GPTlite(vocab_size=5, d_model=8, n_heads=2, d_head=4, n_layers=1, dropout_p=0.0, seqlen=4)
+    files.save_checkpoint(path, model, model.config.to_dict(), "abcde", rebuild="python tiny.py --seed 1",
+                          val_loss=1.25, train_seconds=3)
+    return files.load_checkpoint(path)["sha256"]
+
+
+def test_the_checkpoints_of_a_run_are_listed_with_the_hash_of_their_weights(fake_repo):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    sha = save_tiny_checkpoint(fake_repo / "checkpoints" / "tiny.pt", seed=1)
+    reproduce.main([])
+    readme = (fake_repo / "README.md").read_text()
+    block = readme[readme.index("<!-- reproduce:checkpoints:table -->"):]
+    assert f"| checkpoints/tiny.pt | `{sha}` | 1.2500 | 3 | `python tiny.py --seed 1` |" in block
+    assert "old checkpoints" not in block
+    assert json.loads((fake_repo / "results" / "checkpoints.json").read_text())["rows"][0]["sha256"] == sha
+    assert sha != save_tiny_checkpoint(fake_repo / "checkpoints" / "other.pt", seed=2)  # the hash sees the weights
+
+
+def test_a_damaged_checkpoint_gets_no_hash_on_the_page(fake_repo):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    path = fake_repo / "checkpoints" / "tiny.pt"
+    save_tiny_checkpoint(path, seed=1)
+    ckpt = torch.load(path, weights_only=True)
+    next(iter(ckpt["state_dict"].values())).view(-1)[0] += 1.0  # a weight changed outside save_checkpoint
+    torch.save(ckpt, path)
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main([])
+    assert "checkpoints table" in str(exit_info.value.code) and "tiny.pt" in str(exit_info.value.code)
+    assert "old checkpoints" in (fake_repo / "README.md").read_text()
+
+
+def test_fresh_sets_the_old_checkpoints_aside_before_the_scripts_run(fake_repo):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    save_tiny_checkpoint(fake_repo / "checkpoints" / "tiny.pt", seed=1)
+    reproduce.main(["--fresh"])
+    assert not (fake_repo / "checkpoints" / "tiny.pt").exists()
+    [aside] = (fake_repo / "checkpoints").glob("before-fresh-*/tiny.pt")  # kept, not deleted
+    readme = (fake_repo / "README.md").read_text()
+    assert "used no checkpoint" in readme and "tiny.pt" not in readme
+
+
+@pytest.mark.parametrize("flag", ["--skip-run", "--quick", "--only"])
+def test_fresh_with_a_partial_run_is_an_error_before_anything_moves(fake_repo, flag, capsys):
+    save_tiny_checkpoint(fake_repo / "checkpoints" / "tiny.pt", seed=1)
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["--fresh", flag] + (["ok.py"] if flag == "--only" else []))
+    assert exit_info.value.code == 2 and f"drop {flag}" in capsys.readouterr().err
+    assert (fake_repo / "checkpoints" / "tiny.pt").exists()
 
 
 def test_a_missing_marker_stops_before_any_script_runs(fake_repo):

@@ -763,14 +763,14 @@ def test_a_pairs_file_with_a_byte_order_mark_loads(tmp_path):
     assert main_semantic_cache.load_pairs(path) == [(True, "Café?", "A café?"), (False, "a", "b")]
 
 
-def test_format_sweep_one_precision_per_column():
+def test_the_sweep_table_writes_every_threshold_exactly_one_precision_per_column():
     points = [dict(threshold=0.5, precision=0.53333, recall=1.0, hit_rate=0.9375),
               dict(threshold=0.855, precision=0.9, recall=0.9, hit_rate=0.5)]
-    assert main_semantic_cache.format_sweep(points) == "\n".join([
+    assert harness.format_table(points, columns=main_semantic_cache.threshold_columns(points)) == "\n".join([
         "threshold  precision  recall  hit rate",
         "--------------------------------------",
-        "    0.500      0.533   1.000     0.938",
-        "    0.855      0.900   0.900     0.500"])
+        "0.500          0.533   1.000     0.938",
+        "0.855          0.900   0.900     0.500"])
 
 
 @pytest.mark.parametrize("whole_sequence", [False, True])

@@ -167,6 +167,13 @@ def test_bad_flags_stop_before_any_work(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+def test_a_stream_longer_than_the_validation_text_is_an_error_not_cut(real_data, capsys):
+    n = len(real_data.val)
+    with pytest.raises(SystemExit):
+        msa.main(["--untrained", "--stream-chars", str(n)])
+    assert f"--stream-chars {n}: the validation text has {n} characters, give at most {n - 1}" in capsys.readouterr().err
+
+
 def test_quality_rows_and_checks(tiny_models, tiny_rope):
     base, cached = tiny_models
     windows = torch.randint(65, (3, TINY["seqlen"] + 1))

@@ -145,6 +145,51 @@ def test_bad_grammars_are_clear_errors():
         grammars()["turn"].mask_logits_along(torch.zeros(3, len(VOCAB)), "KX:")
 
 
+def test_xgrammars_cpu_kernel_writes_one_element_past_a_row_whose_last_character_is_allowed():
+    """Why mask_logits unpacks XGrammar's bitmask in torch. With the pinned xgrammar (0.2.9), its CPU
+    apply_token_bitmask_inplace, given a row whose last character (id 64, 'z') is allowed and the bitmask's
+    padding bits (ids 65..95: 65 is not a multiple of 32) zero, as the matcher writes them, sets the element
+    after the row to -inf: the next row's newline, or memory past the tensor. The same rows masked by
+    mask_logits_along are right. If this test fails after an upgrade of xgrammar, the kernel was fixed:
+    update lib/structured_decoding.py's mask_logits and docs/structured_decoding.md, which say so."""
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(1, len(VOCAB))  # every bit set: all 96 ids allowed
+    bitmask[0, 2] = 1  # ids 64 ('z') allowed, 65..95 (padding) not: what a matcher writes when 'z' may follow
+    logits = torch.zeros(2, len(VOCAB))  # row 1: a guard after the masked row
+    xgr.apply_token_bitmask_inplace(logits[:1], bitmask)
+    assert torch.isfinite(logits[0]).all()  # the row itself is right
+    assert logits[1, 0] == float("-inf") and torch.isfinite(logits[1, 1:]).all()  # one element past it
+
+    bitmask[0, 2] = 0  # 'z' forbidden too: nothing written past the row
+    logits = torch.zeros(2, len(VOCAB))
+    xgr.apply_token_bitmask_inplace(logits[:1], bitmask)
+    assert torch.isinf(logits[0, 64]) and torch.isfinite(logits[1]).all()
+
+    # a matcher's own bitmask, rows where 'z' may follow: theirs spills into the next row, ours does not
+    g, text = grammars()["turn"], "KATE:\nAy me\nSo\n\n"
+    matcher, rows = g.matcher(), xgr.allocate_token_bitmask(len(text), len(VOCAB))
+    for j, c in enumerate(text):
+        matcher.fill_next_token_bitmask(rows, index=j)
+        assert matcher.accept_string(c)
+    z_allowed = [j for j in range(len(text)) if int(rows[j, 2]) & 1]
+    assert z_allowed  # inside a line a lowercase letter may follow
+    logits = torch.randn(len(text) + 1, len(VOCAB))  # the last row is a guard
+    theirs, ours = logits.clone(), g.mask_logits_along(logits[:len(text)].clone(), text)
+    xgr.apply_token_bitmask_inplace(theirs[:len(text)], rows)
+    for j in range(len(text)):
+        assert set(torch.isfinite(ours[j]).nonzero().flatten().tolist()) == allowed_reference_after(g, text[:j])
+        spilled = j > 0 and j - 1 in z_allowed  # the previous row wrote into this row's newline
+        assert torch.equal(theirs[j, 1:], ours[j, 1:])
+        assert (theirs[j, 0] == float("-inf")) == (spilled or bool(torch.isinf(ours[j, 0])))
+    assert (theirs[-1, 0] == float("-inf")) == (len(text) - 1 in z_allowed)  # past the last row
+
+
+def allowed_reference_after(grammar, prefix):
+    matcher = grammar.matcher()
+    assert matcher.accept_string(prefix) if prefix else True
+    return allowed_reference(matcher)
+
+
 def shortest_by_bfs(grammar, max_depth):
     """The length of the shortest non-empty sentence, by a breadth-first walk over the characters the
     engine's bitmask allows after every prefix (every prefix kept: small grammars only); None if none

@@ -219,6 +219,7 @@ def test_the_scripts_own_out_of_memory_names_the_rank_and_the_flag_to_lower(real
     (["--ranks", "0"], "must be at least 1"),
     (["--ranks", "2", "--device", "cuda"], "CUDA"),
     (["--prompt-len", "200"], "--prompt-len must be at most"),
+    (["--ranks", "2", "--threads", str(os.cpu_count())], "CPU cores this process may use"),  # oversubscribed: 2 x cores
 ])
 def test_bad_flags_are_clear_errors_before_any_work(argv, message, capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE"):
