@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -349,10 +350,12 @@ def checkpoints_block(record):
     """The README's table of the checkpoints behind the figures, with their hashes."""
     how = ("trained from scratch by `python reproduce.py --fresh`" if record["fresh"] else
            "as the scripts found or trained them in `python reproduce.py`")
-    rows = [dict(r, sha256=f"`{r['sha256']}`", rebuild=f"`{r['rebuild']}`" if r.get("rebuild") else None)
-            for r in record["rows"]]
+    def command(text):  # the output paths of the run that saved it are no part of how to rebuild it
+        return f"`{shlex.join(files.without_output_flags(shlex.split(text)))}`" if text else None
+
+    rows = [dict(r, sha256=f"`{r['sha256']}`", rebuild=command(r.get("rebuild"))) for r in record["rows"]]
     columns = [("checkpoint", "checkpoint", "{}"), ("sha256", "sha256 of config, vocabulary and weights", "{}"),
-               ("val_loss", "val loss at the end of training", "{:.4f}"), ("train_seconds", "training s", "{}"),
+               ("val_loss", "training's last val loss (10 batches)", "{:.4f}"), ("train_seconds", "training s", "{}"),
                ("rebuild", "rebuilt by", "{}")]
     if not rows:
         return f"*The run of {record['date']} used no checkpoint (untrained weights only).*"

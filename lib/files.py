@@ -150,10 +150,26 @@ def load_checkpoint(path, config=None, vocab=None, rebuild=None):
     return ckpt
 
 
+OUTPUT_FLAGS = ("--json", "--plot")  # where a script writes its results: nothing a trained file depends on
+
+
+def without_output_flags(argv):
+    """`argv` without --json PATH and --plot PATH (either spelling, `--json=PATH` too)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in OUTPUT_FLAGS:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in OUTPUT_FLAGS)):
+            out.append(a)
+    return out
+
+
 def rebuild_command(script, argv, preset):
-    """The shell command that reruns `script` with these flags (the preset named): what rebuilds a
-    file it saved."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The shell command that reruns `script` with these flags (the preset named, the output paths left
+    out): what rebuilds a file it saved."""
+    argv = without_output_flags(sys.argv[1:] if argv is None else argv)
     if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
         argv = ["--preset", preset.name] + argv
     return shlex.join(["python", script] + argv)

@@ -250,6 +250,9 @@ def test_rebuild_command_names_the_script_its_flags_and_the_preset():
     cpu = presets.PRESETS["cpu"]
     assert files.rebuild_command("main_gqa.py", ["--save", "a b.pt"], cpu) == "python main_gqa.py --preset cpu --save 'a b.pt'"
     assert files.rebuild_command("main_gqa.py", ["--preset=gptlite"], cpu) == "python main_gqa.py --preset=gptlite"
+    # the output paths are not part of it (a reproduce run's temporary paths would be)
+    assert (files.rebuild_command("main_gqa.py", ["--json", "/tmp/a.json", "--steps", "3", "--plot=/tmp/a.png"], cpu)
+            == "python main_gqa.py --preset cpu --steps 3")
 
 
 @pytest.mark.parametrize("flags", [["--uptrain-steps", "0"], ["--batch-size", "0"], ["--n-tokens", "1"],

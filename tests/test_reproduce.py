@@ -159,7 +159,7 @@ def save_tiny_checkpoint(path, seed):
     from lib import files
     torch.manual_seed(seed)
     model = GPTlite(vocab_size=5, d_model=8, n_heads=2, d_head=4, n_layers=1, dropout_p=0.0, seqlen=4)
-    files.save_checkpoint(path, model, model.config.to_dict(), "abcde", rebuild="python tiny.py --seed 1",
+    files.save_checkpoint(path, model, model.config.to_dict(), "abcde", rebuild="python tiny.py --seed 1 --json /tmp/run/x.json",
                           val_loss=1.25, train_seconds=3)
     return files.load_checkpoint(path)["sha256"]
 

@@ -1,0 +1,58 @@
+"""The training recipe of the cpu preset, pinned: the first training losses of `python gptlite.py --preset
+cpu` (iu.train_checkpoint: the seed, the initial weights, the batch sampler, AdamW, the warm-up) equal
+recorded values. The pages' figures come from checkpoints this recipe trains (training is deterministic),
+so a change to the model, the data pipeline, the sampler or the optimizer that changes training fails here,
+and updating these numbers is a deliberate step: retrain with `python reproduce.py --fresh` and commit the
+pages with the new checkpoint hashes."""
+from dataclasses import replace
+
+import inference_utils as iu
+from lib import presets, training
+
+# The first 20 training losses of the cpu preset's recipe (800 steps, batch 32, lr 3e-3, seed 0), recorded
+# with torch 2.13.0 on CPU. atol: float32 sums in another order (another CPU, another thread count) move
+# them by about 1e-6; another batch, initial weight or learning rate moves them by 1e-3 or more.
+RECIPE_LOSSES = []
+ATOL = 2e-4
+
+
+class Enough(Exception):
+    pass
+
+
+def first_training_losses(data, n, path):
+    """The first `n` training losses of gptlite.py's recipe for the cpu preset, read where train_steps
+    checks each loss (training.check_finite), stopped before anything is saved."""
+    losses, check = [], training.check_finite
+
+    def record(loss, step, n_steps, lr, what, hint=None):
+        check(loss, step, n_steps, lr, what, hint)
+        if what == "training loss":
+            losses.append(loss)
+            if len(losses) == n:
+                raise Enough
+
+    training.check_finite = record
+    try:
+        iu.train_checkpoint("cpu", data, "cpu", path=path)
+    except Enough:
+        return losses
+    finally:
+        training.check_finite = check
+    raise AssertionError(f"training ended after {len(losses)} steps, before {n}")
+
+
+def test_the_cpu_recipe_trains_as_recorded(real_data, tmp_path):
+    losses = first_training_losses(real_data, len(RECIPE_LOSSES), tmp_path / "cpu.pt")
+    assert not (tmp_path / "cpu.pt").exists()  # stopped before saving
+    worst = max(abs(a - b) for a, b in zip(losses, RECIPE_LOSSES))
+    assert worst <= ATOL, (f"the cpu preset's training changed (largest loss difference {worst:.2e} over the first "
+                           f"{len(losses)} steps): if on purpose, retrain with python reproduce.py --fresh and "
+                           f"record the new losses {losses}")
+
+
+def test_the_pin_sees_a_change_of_the_learning_rate(real_data, tmp_path, monkeypatch):
+    """The same check catches a small change of the recipe: the peak learning rate 5% higher."""
+    monkeypatch.setitem(presets.PRESETS, "cpu", replace(presets.PRESETS["cpu"], lr=presets.PRESETS["cpu"].lr * 1.05))
+    losses = first_training_losses(real_data, len(RECIPE_LOSSES), tmp_path / "cpu.pt")
+    assert max(abs(a - b) for a, b in zip(losses, RECIPE_LOSSES)) > 10 * ATOL
