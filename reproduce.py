@@ -342,7 +342,8 @@ def checkpoint_rows(folder):
 
 def record_checkpoints(results_dir, fresh):
     """results/checkpoints.json: the checkpoints of this run (after its scripts), rendered by checkpoints_block."""
-    record = {"date": datetime.date.today().isoformat(), "fresh": fresh, "rows": checkpoint_rows(ROOT / "checkpoints")}
+    record = {"date": datetime.date.today().isoformat(), "fresh": fresh, "machine": machine("cpu"),
+              "rows": checkpoint_rows(ROOT / "checkpoints")}
     files.atomic_write_bytes((json.dumps(record, indent=2) + "\n").encode(), results_dir / "checkpoints.json")
 
 
@@ -359,7 +360,8 @@ def checkpoints_block(record):
                ("rebuild", "rebuilt by", "{}")]
     if not rows:
         return f"*The run of {record['date']} used no checkpoint (untrained weights only).*"
-    return f"*The checkpoints of the run of {record['date']}, {how}.*\n\n" + markdown_table(columns, rows)
+    where = f" on {record['machine']}" if record.get("machine") else ""
+    return f"*The checkpoints of the run of {record['date']}{where}, {how}.*\n\n" + markdown_table(columns, rows)
 
 
 def load_average():
