@@ -656,8 +656,8 @@ def test_main_semantic_cache_end_to_end(real_data, encoder, tmp_path, capsys, mo
                               "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert "near-miss served at" in printed and "meaningless" in printed
-    # the sweep is its own table, one line per threshold, three decimals in each figure column
-    sweep_lines = re.findall(r"^ +(0\.\d\d) +(\d\.\d{3}) +(\d\.\d{3}) +(\d\.\d{3})$", printed, re.MULTILINE)
+    # the sweep is its own table, printed once, one line per threshold, three decimals in each figure column
+    sweep_lines = re.findall(r"^(0\.\d\d) +(\d\.\d{3}) +(\d\.\d{3}) +(\d\.\d{3})$", printed, re.MULTILINE)
     assert [t for t, *_ in sweep_lines] == ["0.50", "0.60", "0.70", "0.75", "0.80", "0.82", "0.85", "0.90", "0.95"]
     assert "threshold  precision  recall  hit rate" in printed and "pairs, threshold" not in printed
     result = json.loads(out_json.read_text())
