@@ -88,7 +88,15 @@ def stop_and_check(launcher, tree, sig):
 def start(cmd, tmp_path):
     log = open(tmp_path / "launcher.log", "w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=default_stop_signals)
+
+
+def default_stop_signals():
+    """The launcher's SIGINT and SIGHUP as a terminal's would be: pytest started as a background job (`&`)
+    or under nohup passes them on ignored, and run_child rightly leaves an ignored signal alone."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def launcher_code(call):
