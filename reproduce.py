@@ -21,9 +21,10 @@ pages unless --busy-ok says so: its timings would be distorted.
 
 After the scripts, the checkpoints they used (checkpoints/*.pt) are listed with the sha256 of their weights
 (saved in each file, verified when it is read) in results/checkpoints.json and the README's block
-`<!-- reproduce:checkpoints:table -->`: training is deterministic, so a fresh clone that runs `python
-reproduce.py --fresh` gets these hashes and the figures of the pages (timings aside). --fresh moves the
-existing checkpoints to checkpoints/before-fresh-<time>/ first, so that every script trains what it uses.
+`<!-- reproduce:checkpoints:table -->`, with the machine: training is deterministic on one kind of CPU (not
+across CPU models, whose kernels round differently), so a fresh clone that runs `python reproduce.py --fresh`
+on such a machine gets these hashes and the figures of the pages (timings aside). --fresh moves the existing
+checkpoints to checkpoints/before-fresh-<time>/ first, so that every script trains what it uses.
 """
 import argparse
 import datetime
@@ -349,17 +350,18 @@ def record_checkpoints(results_dir, fresh):
 
 def checkpoints_block(record):
     """The README's table of the checkpoints behind the figures, with their hashes."""
+    if not record["rows"]:
+        return f"*The run of {record['date']} used no checkpoint (untrained weights only).*"
     how = ("trained from scratch by `python reproduce.py --fresh`" if record["fresh"] else
            "as the scripts found or trained them in `python reproduce.py`")
-    def command(text):  # the output paths of the run that saved it are no part of how to rebuild it
+
+    def command(text):  # files saved before rebuild_command left the output paths out still carry them
         return f"`{shlex.join(files.without_output_flags(shlex.split(text)))}`" if text else None
 
     rows = [dict(r, sha256=f"`{r['sha256']}`", rebuild=command(r.get("rebuild"))) for r in record["rows"]]
     columns = [("checkpoint", "checkpoint", "{}"), ("sha256", "sha256 of config, vocabulary and weights", "{}"),
                ("val_loss", "training's last val loss (10 batches)", "{:.4f}"), ("train_seconds", "training s", "{}"),
                ("rebuild", "rebuilt by", "{}")]
-    if not rows:
-        return f"*The run of {record['date']} used no checkpoint (untrained weights only).*"
     where = f" on {record['machine']}" if record.get("machine") else ""
     return f"*The checkpoints of the run of {record['date']}{where}, {how}.*\n\n" + markdown_table(columns, rows)
 
