@@ -57,6 +57,8 @@ def scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=Non
 #                                    that selects by the query (Quest, MoBA), learns from the weights (H2O,
 #                                    SnapKV) or packs the queries of several sequences (paged) overrides it
 #   cache.advance(T)                 after the last layer
+#   cache.truncate(n)                keep the first n tokens' entries (speculative decoding rolls back the
+#                                    rejected draft tokens; StaticKVCache by position, DynamicKVCache by slicing)
 #
 # The caches: DynamicKVCache (the post's list of (keys, values) per layer, wrapped for the layers),
 # StaticKVCache, kv_budget.BudgetCache (window, sinks, H2O, SnapKV, Quest), paged_engine.PagedStep
@@ -87,6 +89,17 @@ class KVCache:
 
     def advance(self, T):
         self.n_tokens += T
+
+    def truncate(self, n):
+        raise NotImplementedError(f"a {type(self).__name__} cannot roll back")
+
+    def check_truncate(self, n):
+        """A rollback keeps tokens 0 .. n-1, all still held: none past the window was dropped."""
+        if not 0 <= n <= self.n_tokens:
+            raise ValueError(f"cannot keep {n} tokens of a cache that was fed {self.n_tokens}")
+        if self.max_seqlen is not None and self.n_tokens > self.max_seqlen:
+            raise ValueError(f"the cache was fed {self.n_tokens} tokens, past its window of {self.max_seqlen}: "
+                             "the entries of the oldest are gone, so it cannot roll back")
 
 
 class DynamicKVCache(KVCache):
@@ -123,6 +136,11 @@ class DynamicKVCache(KVCache):
         K, V = self.append(layer, k, v)
         return K, V, None
 
+    def truncate(self, n):
+        self.check_truncate(n)
+        self.layers = [None if e is None else tuple(t[:, :, :n] for t in e) for e in self.layers]
+        self.n_tokens = n
+
 
 def layer_cache(kv_cache, max_seqlen, layer):
     """(cache, layer) for an attention module: a KVCache as given; one layer's own cache, (keys, values)
@@ -152,6 +170,11 @@ class StaticKVCache(KVCache):
     def reset(self):
         """Start a new sequence; stale entries are never read (attention reads the written slots only)."""
         self.n_tokens = 0
+
+    def truncate(self, n):
+        """Keep tokens 0 .. n-1: the next token is written at slot n, over a rolled-back one."""
+        self.check_truncate(n)
+        self.n_tokens = n
 
     def __len__(self):  # entries held
         return min(self.n_tokens, self.max_seqlen)
@@ -291,6 +314,11 @@ class GPTlite_KVCache(GPTlite):
 
     def forward_cache(self, idx, cache):
         """The forward pass of idx [B, T] through the KVCache `cache` (updated in place): logits [B, T, vocab]."""
+        return self.fc_out(self.ln(self.hidden_states(idx, cache)))  # [B, T, vocab]
+
+    def hidden_states(self, idx, cache):
+        """forward_cache without the head: the last block's outputs [B, T, d_model], before the final
+        LayerNorm (what speculative decoding's Medusa, EAGLE and MTP heads read)."""
         T = idx.shape[1]
         cache.check_new_tokens(T)
         if T > 1 and cache.max_seqlen is not None and len(cache) + T > cache.max_seqlen:
@@ -298,12 +326,12 @@ class GPTlite_KVCache(GPTlite):
             # which is what decoding these tokens one by one would compute.
             n_fit = cache.max_seqlen - len(cache)
             chunks = ([idx[:, :n_fit]] if n_fit > 0 else []) + list(idx[:, max(n_fit, 0):].split(1, dim=1))
-            return torch.cat([self.forward_cache(chunk, cache) for chunk in chunks], dim=1)
+            return torch.cat([self.hidden_states(chunk, cache) for chunk in chunks], dim=1)
         x = self.token_embedding(idx) + self.position_embedding(cache.positions(T, idx.device))  # [B, T, d_model]
         for layer, block in enumerate(self.blocks):
             x, _ = block(x, cache, None, layer)
         cache.advance(T)
-        return self.fc_out(self.ln(x))  # [B, T, vocab]
+        return x  # [B, T, d_model]
 
 
 def kv_cache_view(model):

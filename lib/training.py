@@ -46,12 +46,13 @@ def check_finite(loss, step, n_steps, lr, what, hint=None):
 
 
 def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_interval=None,
-                loss_fn=cross_entropy_loss, desc="training", hint=None):
+                loss_fn=cross_entropy_loss, desc="training", hint=None, evaluate=None):
     """Train `model` for `n_steps` AdamW steps (warm-up, cosine decay, gradient clipping at 1.0).
 
     Returns the validation history [{"step", "val_loss"}], evaluated every `eval_interval` steps
     and after the last one. `loss_fn(model, x, y)` lets distillation swap the loss; `hint` is what a
-    divergence error says about its causes (check_finite)."""
+    divergence error says about its causes (check_finite); `evaluate(model)`, the validation figure
+    (default: validation_loss on 10 batches), lets a draft head that is not a language model report its own."""
     if n_steps < 1:
         raise ValueError(f"n_steps must be at least 1, got {n_steps}")
     device = next(model.parameters()).device
@@ -80,7 +81,8 @@ def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_inter
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if (step + 1) % eval_interval == 0 or step + 1 == n_steps:
-            history.append({"step": step + 1, "val_loss": validation_loss(model, data, n_batches=10)})
+            val = evaluate(model) if evaluate else validation_loss(model, data, n_batches=10)
+            history.append({"step": step + 1, "val_loss": val})
             check_finite(history[-1]["val_loss"], step + 1, n_steps, lr, "validation loss", hint)  # the last update
             model.train()
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history[-1]['val_loss']:.3f}")

@@ -1,0 +1,130 @@
+"""Draft heads that read the target's hidden states: Medusa's heads and the one-block head of EAGLE and of
+multi-token prediction (DeepSeek-V3's MTP module). The target's final LayerNorm and head turn a predicted
+state into logits, so a head adds few parameters and costs little per call.
+
+- MedusaHeads (Cai et al. 2024): K residual blocks h + SiLU(W h), head k predicting the k-th token after
+  the next one from the hidden state h_t alone. Trained on the frozen target (medusa_loss_fn).
+- FeatureHead: one transformer block over fuse([h_t, embedding(x_{t+1})]) predicting h_{t+1}: EAGLE (Li et
+  al. 2024; trained on the frozen target, feature regression + 0.1 cross entropy, eagle_loss_fn), or with
+  RMSNorm on both inputs, DeepSeek-V3's MTP module (trained with the model: gptlite_mtp.py).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlite_kvcache import Block_KVCache, StaticKVCache, kv_cache_view
+from lib.corpus import get_batch
+
+
+def full_hidden(target, x):
+    """The target's last-block states of x [B, S] in one causal pass: [B, S, d_model]."""
+    view = kv_cache_view(target)
+    return view.hidden_states(x, view.open_cache(None, None, x.shape[0]))
+
+
+def head_logits(target, states):
+    """The target's own final LayerNorm and head on (predicted) states [..., d]: logits [..., V]."""
+    return target.fc_out(target.ln(states))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(n_heads))
+        for head in self.heads:  # zero init (Medusa's): each head starts as the target's next-token head
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
+
+    def states(self, h, n=None):
+        """h [..., d] -> [..., n, d]: the first n heads' predicted states (default all)."""
+        return torch.stack([h + F.silu(head(h)) for head in self.heads[:n]], dim=-2)
+
+    def forward(self, h, target, n=None):
+        """Logits [B, n, V] of the first n heads from the states h [B, d]."""
+        return head_logits(target, self.states(h, n))
+
+
+class FeatureHead(nn.Module):
+    """One block over fuse([h_t, embedding(x_{t+1})]) -> the state at t+1. normed: RMSNorm on both inputs
+    first (DeepSeek-V3's MTP module), else EAGLE's plain concatenation."""
+
+    def __init__(self, d_model, n_heads, d_head, normed=False):
+        super().__init__()
+        self.n_heads, self.d_head = n_heads, d_head
+        self.norm_h = nn.RMSNorm(d_model) if normed else nn.Identity()
+        self.norm_e = nn.RMSNorm(d_model) if normed else nn.Identity()
+        self.fuse = nn.Linear(2 * d_model, d_model)
+        self.block = Block_KVCache(d_model, n_heads, d_head, 0.0)
+
+    def features(self, tokens, states, embedding):
+        """tokens [B, T] (x_{t+1}), states [B, T, d] (h_t) -> the block's inputs [B, T, d]."""
+        return self.fuse(torch.cat([self.norm_h(states), self.norm_e(embedding(tokens))], dim=-1))
+
+    def forward(self, tokens, states, embedding):
+        """Training: every position at once, causal. Returns the predicted states [B, T, d]."""
+        return self.block(self.features(tokens, states, embedding))[0]
+
+    def new_cache(self, batch_size, max_seqlen):
+        p = self.fuse.weight
+        return StaticKVCache(1, batch_size, self.n_heads, self.d_head, max_seqlen, device=p.device, dtype=p.dtype)
+
+    def step(self, tokens, states, target, cache):
+        """Drafting: feed T positions on top of `cache`; returns the predicted states [B, T, d]."""
+        out, _ = self.block(self.features(tokens, states, target.token_embedding), cache, None, 0)
+        cache.advance(tokens.shape[1])
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training on the frozen target (train_steps' loss_fn and evaluate).
+
+def medusa_loss(heads, target, x, y, decay=0.8):
+    """Head k (k = 1..K) predicts y shifted by k from the target's state at each position; the heads'
+    cross entropies weighted decay^(k-1) (Medusa's), normalised. Returns (loss, head 1's loss)."""
+    with torch.no_grad():
+        h = full_hidden(target, x)  # [B, S, d]
+    S, losses = x.shape[1], []
+    for k in range(1, len(heads.heads) + 1):
+        logits = head_logits(target, heads.states(h[:, :S - k])[..., k - 1, :])  # [B, S-k, V]
+        losses.append(F.cross_entropy(logits.flatten(0, 1), y[:, k:].flatten()))
+    weights = [decay ** i for i in range(len(losses))]
+    return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights), losses[0]
+
+
+def feature_loss(head, target, x, y, h=None, regression=1.0, ce=0.1):
+    """EAGLE's loss: smooth L1 between the predicted and the true next states, plus `ce` times the cross
+    entropy of the token after next read from the prediction. h: the target's states (computed without
+    gradient when None). Returns (loss, the cross entropy)."""
+    if h is None:
+        with torch.no_grad():
+            h = full_hidden(target, x)  # [B, S, d]
+    pred = head(x[:, 1:], h[:, :-1], target.token_embedding)  # [B, S-1, d]: predicts h[:, 1:]
+    ce_loss = F.cross_entropy(head_logits(target, pred).flatten(0, 1), y[:, 1:].flatten())
+    reg = F.smooth_l1_loss(pred, h[:, 1:].detach()) if regression else 0.0
+    return regression * reg + ce * ce_loss, ce_loss
+
+
+def medusa_loss_fn(target):
+    target.requires_grad_(False)
+    return lambda heads, x, y: medusa_loss(heads, target, x, y)[0]
+
+
+def eagle_loss_fn(target):
+    target.requires_grad_(False)
+    return lambda head, x, y: feature_loss(head, target, x, y)[0]
+
+
+def head_evaluate(loss, data, seqlen, n_batches=10, batch_size=32, seed=1234):
+    """train_steps' `evaluate` for a head: the cross entropy of its first prediction (the token after
+    next) on fixed validation batches; `loss(head, x, y)` returns (training loss, that cross entropy)."""
+    @torch.no_grad()
+    def evaluate(head):
+        device = next(head.parameters()).device
+        generator = torch.Generator().manual_seed(seed)
+        was_training = head.training
+        head.eval()
+        total = sum(loss(head, *get_batch(data.val, batch_size, seqlen, generator, device))[1].item()
+                    for _ in range(n_batches))
+        head.train(was_training)
+        return total / n_batches
+    return evaluate
