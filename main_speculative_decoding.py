@@ -43,7 +43,9 @@ from lib.speculative import (FeatureDrafter, LookupDrafter, MedusaDrafter, Model
                              run_once, sampling_test, speculative_generate)
 from main_distillation import distillation_loss, student_preset
 
-DEFAULTS = {"cpu": dict(draft_iters=200, head_iters=150, mtp_steps=80)}  # other presets: the student preset's iters
+DEFAULTS = {"cpu": dict(draft_iters=150, head_iters=120, mtp_steps=60)}  # other presets: the student preset's iters
+PASSES = "target's"  # the sampling check's verdict: the counts fit the target's distribution
+HEAD_BATCH = 16  # windows per step of the Medusa and EAGLE heads: 2,048 positions, half a model's batch
 DRAFTS = ["distilled", "distilled small", "lookup", "early exit", "medusa", "eagle", "mtp"]
 
 
@@ -58,17 +60,21 @@ def check_draft(target, draft, name):
     return draft
 
 
-def trained(model, config, name, preset, data, rebuild, stamp, steps, lr, seed, loss_fn, untrained, evaluate=None):
+def trained(model, config, name, preset, data, rebuild, stamp, steps, lr, seed, loss_fn, untrained, evaluate=None,
+            batch_size=None):
     """`model` loaded from checkpoints/<preset>_spec_<name>.pt when its config and stamp match, else trained
-    with train_steps and saved. Returns (model, {draft, params, steps, source, val_loss})."""
+    with train_steps (batches of batch_size windows, default the preset's) and saved.
+    Returns (model, {draft, params, steps, source, val_loss})."""
+    batch_size = batch_size or preset.batch_size
     path = files.checkpoint_path(f"{preset.name}_spec_{name.replace(' ', '_')}")
     evaluate = evaluate or (lambda m: training.validation_loss(m, data))
 
     def train(m):
-        return training.train_steps(m, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed, loss_fn=loss_fn,
+        return training.train_steps(m, data, steps, batch_size, preset.seqlen, lr, seed=seed, loss_fn=loss_fn,
                                     desc=f"training draft {name}", evaluate=evaluate)
     torch.manual_seed(seed)
-    model, seconds = iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=stamp, untrained=untrained)
+    model, seconds = iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=dict(stamp, batch_size=batch_size),
+                                     untrained=untrained)
     source = "untrained" if untrained else (f"trained in {seconds:.0f} s" if seconds is not None else f"loaded {path.name}")
     return model, dict(draft=name, params=iu.n_params(model), steps=steps, source=source, val_loss=evaluate(model))
 
@@ -98,13 +104,15 @@ def build_drafts(target, preset, data, device, args, rebuild):
             heads, info = trained(MedusaHeads(d, args.medusa_heads).to(device), dict(d_model=d, heads=args.medusa_heads),
                                   name, stamp=dict(base, steps=args.head_iters), steps=args.head_iters, lr=preset.lr,
                                   loss_fn=medusa_loss_fn(target), evaluate=head_evaluate(
-                                      lambda m, x, y: medusa_loss(m, target, x, y), data, preset.seqlen), **common)
+                                      lambda m, x, y: medusa_loss(m, target, x, y), data, preset.seqlen),
+                                  batch_size=HEAD_BATCH, **common)
             drafters[name] = ("target", MedusaDrafter(heads, target))
         elif name == "eagle":
             eagle, info = trained(FeatureHead(d, h, k).to(device), dict(d_model=d, n_heads=h, d_head=k), name,
                                   stamp=dict(base, steps=args.head_iters), steps=args.head_iters, lr=preset.lr,
                                   loss_fn=eagle_loss_fn(target), evaluate=head_evaluate(
-                                      lambda m, x, y: feature_loss(m, target, x, y), data, preset.seqlen), **common)
+                                      lambda m, x, y: feature_loss(m, target, x, y), data, preset.seqlen),
+                                  batch_size=HEAD_BATCH, **common)
             drafters[name] = ("target", FeatureDrafter(eagle, target))
         else:  # mtp: the target's weights and a new MTP module, trained on together
             mtp = GPTlite_MTP(**preset.gptlite_kwargs()).to(device)
@@ -122,8 +130,9 @@ def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
     """Correctness before any timing: {check: ok} and the statistical tests' rows.
 
     Greedy: for every batch, draft and gamma the tokens equal generate()'s (no cache, the full forward pass
-    each step). Sampling: the chi-square test of every draft at the largest gamma, of plain sampling (a
-    correct sampler: it must pass) and of the accept-always rule (a wrong one: it must fail)."""
+    each step). Sampling: the chi-square test of every draft (one batch of all the samples: rows that
+    accepted more than the slowest give their next draft token, the slowest its correction), of plain
+    sampling (a correct sampler: it must pass) and of the accept-always rule (a wrong one: it must fail)."""
     checks = {}
     for B, prompts in prompts_by_batch.items():
         expected = {t: generate(m, prompts, n_tokens, m.seqlen) for t, m in targets.items()}
@@ -131,7 +140,7 @@ def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
             same = all(torch.equal(run_once(targets[t], drafter, prompts, n_tokens, g, None, seed)[0], expected[t])
                        for g in gammas)
             checks[f"greedy, batch {B}: {name} tokens = the target's for gamma {gammas[0]}..{gammas[-1]}"] = same
-    prompt, g = next(iter(prompts_by_batch.values()))[0, -stat["prompt_len"]:], max(gammas)
+    prompt, g = next(iter(prompts_by_batch.values()))[0, -stat["prompt_len"]:], stat["gamma"]
     control = next(iter(drafts))
     tests = {name: (t, d, accept_draft) for name, (t, d) in drafts.items()}
     tests |= {"plain sampling (control)": ("target", None, None),
@@ -146,7 +155,7 @@ def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
         rows.append(dict(draft=name, gamma=None if drafter is None else g, samples=stat["samples"],
                          chi2=round(result["statistic"], 1), dof=result["dof"], p_value=p_value,
                          tv=round(result["tv"], 3),
-                         verdict="too few samples" if p_value is None else "target's" if passed else "rejected"))
+                         verdict="too few samples" if p_value is None else PASSES if passed else "rejected"))
         if p_value is not None:  # a test that cannot judge (too few samples for the cells) checks nothing
             ok = not passed if accept is accept_always else passed
             checks[f"sampling: {name} {'fails' if accept is accept_always else 'passes'} the chi-square test"] = ok
@@ -154,22 +163,39 @@ def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
 
 
 def best_rows(results, batch, decoding):
-    """The main table's rows of one group: plain decoding, then each draft at the gamma of its best measured
-    speedup (the first gamma when no TPOT could be measured)."""
+    """The main table's rows of one group: plain decoding of each target (the median of its runs beside
+    every draft), then each draft at the gamma of its best measured speedup (the first gamma when no TPOT
+    could be measured), with the TPOT of the plain runs timed beside it (its speedup's baseline)."""
     rows = []
-    for r in results:
-        if r["draft"] == "plain":
-            rows.append(harness.make_row(f"plain ({r['target']})", batch=batch, decoding=decoding, gamma=None,
-                                         ttft_ms=r["ttft_ms"], tpot_ms=r["tpot_ms"], tokens_per_s=r["tokens_per_s"],
-                                         speedup=1.0))
+    for target in dict.fromkeys(r["target"] for r in results):
+        plain = [r for r in results if r["draft"] == "plain" and r["target"] == target]
+        tpots = [r["tpot_ms"] for r in plain if r["tpot_ms"] is not None]
+        rows.append(harness.make_row(f"plain ({target})", batch=batch, decoding=decoding, gamma=None,
+                                     ttft_ms=iu.median([r["ttft_ms"] for r in plain]),
+                                     tpot_ms=iu.median(tpots) if tpots else None,
+                                     tokens_per_s=iu.median([r["tokens_per_s"] for r in plain]), speedup=1.0))
     for name in dict.fromkeys(r["draft"] for r in results if r["draft"] != "plain"):
         mine = [r for r in results if r["draft"] == name]
         best = max(mine, key=lambda r: -1 if r["speedup"] is None else r["speedup"])
         rows.append(harness.make_row(name, batch=batch, decoding=decoding, gamma=best["gamma"], ttft_ms=best["ttft_ms"],
                                      tpot_ms=best["tpot_ms"], tokens_per_s=best["tokens_per_s"],
-                                     **{k: rounded(best[k]) for k in ("alpha", "tau", "tau_formula", "c", "verify", "speedup",
-                                                                      "speedup_formula", "speedup_formula_verify")}))
+                                     **{k: rounded(best[k]) for k in ("plain_tpot_ms", "speedup", "alpha", "tau",
+                                                                      "tau_formula", "c", "verify", "speedup_formula",
+                                                                      "speedup_formula_verify")}))
     return rows
+
+
+def plain_spread(sweep):
+    """How much the machine's speed moved during the run: plain decoding's TPOT, timed beside each draft."""
+    groups = dict.fromkeys((r["batch"], r["decoding"]) for r in sweep)
+    parts = []
+    for batch, decoding in groups:
+        tpots = [r["tpot_ms"] for r in sweep if r["draft"] == "plain" and r["target"] == "target"
+                 and r["batch"] == batch and r["decoding"] == decoding and r["tpot_ms"] is not None]
+        if tpots:
+            parts.append(f"batch {batch} {decoding} {min(tpots):.2f}-{max(tpots):.2f} ms")
+    return ("plain decoding's TPOT, timed beside each draft (the machine's speed during the run): "
+            + ", ".join(parts))
 
 
 def rounded(value, digits=3):
@@ -222,7 +248,8 @@ def parse_args(argv):
     add("--ngram", type=harness.int_at_least(1), default=3, help="longest n-gram prompt lookup matches")
     add("--exit-layers", type=harness.int_at_least(1), default=None,
         help="layers of the early-exit draft (default: half the target's)")
-    add("--medusa-heads", type=harness.int_at_least(1), default=None, help="Medusa heads (default: the largest gamma)")
+    add("--medusa-heads", type=harness.int_at_least(1), default=None,
+        help="Medusa heads (default: the largest gamma of --gammas and --stat-gamma)")
     add("--draft-iters", type=harness.int_at_least(1), default=None,
         help=f"steps of each distilled draft (default {DEFAULTS['cpu']['draft_iters']} on cpu, else the student preset's)")
     add("--head-iters", type=harness.int_at_least(1), default=None,
@@ -233,9 +260,10 @@ def parse_args(argv):
     add("--stat-samples", type=harness.int_at_least(100), default=4000, help="samples of the chi-square test")
     add("--stat-chars", type=harness.int_at_least(2), default=3,
         help="characters after the prompt it counts (the first is the prefill's, the others drafted)")
+    add("--stat-gamma", type=harness.int_at_least(1), default=2, help="draft tokens per round in the chi-square test")
     add("--significance", type=harness.float_in(0, 1, low_open=True, high_open=True), default=1e-3,
         help="the chi-square test's significance level")
-    harness.add_generation_flags(parser, prompt_len=32, n_tokens=48, repeats=3)
+    harness.add_generation_flags(parser, prompt_len=32, n_tokens=40, repeats=3)
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -243,10 +271,10 @@ def parse_args(argv):
             parser.error(f"--gammas must be increasing without repeats, got {args.gammas}")
         if len(set(args.batch_sizes)) != len(args.batch_sizes):
             parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
-        if args.prompt_len + max(args.gammas) + 1 > preset.seqlen:
-            parser.error(f"--gammas: gamma={max(args.gammas)} and the gamma + 1 tokens of a verification pass after a "
-                         f"{args.prompt_len}-token prompt exceed the window seqlen={preset.seqlen}; use gamma <= "
-                         f"{preset.seqlen - args.prompt_len - 1}")
+        if args.prompt_len + max(args.gammas + [args.stat_gamma]) + 1 > preset.seqlen:
+            parser.error(f"--gammas/--stat-gamma: gamma={max(args.gammas + [args.stat_gamma])} and the gamma + 1 "
+                         f"tokens of a verification pass after a {args.prompt_len}-token prompt exceed the window "
+                         f"seqlen={preset.seqlen}; use gamma <= {preset.seqlen - args.prompt_len - 1}")
         if args.prompt_len + args.n_tokens - 1 > preset.seqlen:
             parser.error(f"--n-tokens: {args.prompt_len} + {args.n_tokens} tokens exceed the window seqlen="
                          f"{preset.seqlen} (speculation rolls its cache back within one window)")
@@ -256,9 +284,10 @@ def parse_args(argv):
         args.exit_layers = args.exit_layers or max(preset.n_layers // 2, 1)
         if args.exit_layers >= preset.n_layers:
             parser.error(f"--exit-layers must be below the target's {preset.n_layers} layers, got {args.exit_layers}")
-        args.medusa_heads = args.medusa_heads or max(args.gammas)
-        if args.medusa_heads < max(args.gammas) and "medusa" in args.drafts:
-            parser.error(f"--medusa-heads {args.medusa_heads}: gamma={max(args.gammas)} needs as many heads")
+        largest = max(args.gammas + [args.stat_gamma])
+        args.medusa_heads = args.medusa_heads or largest
+        if args.medusa_heads < largest and "medusa" in args.drafts:
+            parser.error(f"--medusa-heads {args.medusa_heads}: gamma={largest} needs as many heads")
         defaults = DEFAULTS.get(preset.name, dict(draft_iters=student_preset(preset).iters, head_iters=1000,
                                                   mtp_steps=500))
         for key, value in defaults.items():
@@ -268,15 +297,23 @@ def parse_args(argv):
     return (args, *harness.setup(args, parser, check_args))
 
 
-def headline(rows):
-    best = max((r for r in rows if r["batch"] == min(x["batch"] for x in rows) and r["gamma"] is not None
-                and r["speedup"] is not None), key=lambda r: r["speedup"], default=None)
-    if best is None:
-        return dict(technique="speculative decoding", figure="no TPOT could be measured (too few tokens or repeats)")
-    return dict(technique=f"speculative decoding, {len({r['variant'] for r in rows if r['gamma']})} drafts, gamma "
-                          f"{min(r['gamma'] for r in rows if r['gamma'])}..{max(r['gamma'] for r in rows if r['gamma'])}",
-                figure=f"best at batch {best['batch']}: {best['variant']} ({best['decoding']}, gamma {best['gamma']}) "
-                       f"{best['speedup']:.2f}x plain decoding's TPOT, alpha {best['alpha']:.2f}, tau {best['tau']:.2f}")
+def headline(rows, stat_rows):
+    """The README's one-glance row: the best measured speedup per batch and decoding, and the sampling check."""
+    def best(batch, decoding):
+        mine = [r for r in rows if r["batch"] == batch and r["decoding"] == decoding and r["gamma"]
+                and r["speedup"] is not None]
+        r = max(mine, key=lambda r: r["speedup"], default=None)
+        return (f"{decoding} -" if r is None else
+                f"{decoding} {r['variant']} {r['speedup']:.2f}x (gamma {r['gamma']}, alpha {r['alpha']:.2f}, tau {r['tau']:.2f})")
+    batches, decodings = dict.fromkeys(r["batch"] for r in rows), dict.fromkeys(r["decoding"] for r in rows)
+    gammas = sorted({r["gamma"] for r in rows if r["gamma"]})
+    tests = [r for r in stat_rows if "control" not in r["draft"]]
+    control = next(r for r in stat_rows if "accept always" in r["draft"])
+    control_p = "-" if control["p_value"] is None else f"{control['p_value']:.0e}"
+    return dict(technique=f"speculative decoding, {len(tests)} drafts, best gamma of {gammas[0]}..{gammas[-1]}",
+                figure="; ".join(f"batch {b}: " + ", ".join(best(b, d) for d in decodings) for b in batches)
+                + f"; sampling: {sum(r['verdict'] == PASSES for r in tests)} of {len(tests)} drafts "
+                  f"keep the target's distribution (chi-square), accept-always rejected (p {control_p})")
 
 
 def main(argv=None):
@@ -286,7 +323,7 @@ def main(argv=None):
     drafts, targets, infos = build_drafts(target, preset, data, device, args, rebuild)
     prompts = {B: corpus.sample_prompts(data, B, args.prompt_len, seed=args.seed, device=device)
                for B in args.batch_sizes}
-    stat = dict(prompt_len=args.prompt_len, chars=args.stat_chars, temperature=args.temperature,
+    stat = dict(prompt_len=args.prompt_len, chars=args.stat_chars, temperature=args.temperature, gamma=args.stat_gamma,
                 samples=args.stat_samples, significance=args.significance)
     checks, stat_rows = run_checks(targets, drafts, prompts, args.gammas, args.n_tokens, stat, args.seed)
     harness.require_checks(checks)  # before anything is timed or written
@@ -302,13 +339,17 @@ def main(argv=None):
     tables += [harness.table("the drafts", infos),
                harness.table(f"sampling check: the first {args.stat_chars} characters after a prompt against the "
                              f"target's exact probabilities (Pearson chi-square, T={args.temperature:g})", stat_rows)]
-    print(f"\n{args.prompt_len}-token prompts, {args.n_tokens} new tokens, median of {args.repeats}; speedup = plain "
-          "TPOT / TPOT of the same target, batch and decoding; c = draft time per draft token / target step")
-    summary = ["a batch keeps in every row the fewest draft tokens any row accepted: tau falls with the batch"]
+    print(f"\n{args.prompt_len}-token prompts, {args.n_tokens} new tokens, median of {args.repeats}; speedup = "
+          "plain_tpot_ms (plain decoding of the same target, batch and decoding, timed beside the draft) / TPOT; "
+          "c = draft time per draft token / target step; verify = the gamma + 1 token pass / target step")
+    summary = ["a batch keeps in every row the fewest draft tokens any row accepted: tau falls with the batch",
+               plain_spread(sweep)]
     if "mtp" in drafts:
         summary.append(f"the mtp rows' target is {preset.name}.pt trained {args.mtp_steps} more steps with the MTP loss "
-                       f"(val loss {infos[-1]['val_loss']:.4f}); the other rows' is {preset.name}.pt itself")
-    harness.report(args, "main_speculative_decoding.py", preset, device, rows, headline(rows), summary=summary,
+                       f"(val loss {next(i for i in infos if i['draft'] == 'mtp')['val_loss']:.4f}); the other rows' "
+                       f"is {preset.name}.pt itself")
+    harness.report(args, "main_speculative_decoding.py", preset, device, rows, headline(rows, stat_rows),
+                   summary=summary,
                    tables=tables, plot=lambda: plot_sweep(sweep, f"{preset.name} ({device})"), sweep=sweep,
                    checks=checks, gammas=args.gammas, n_tokens=args.n_tokens, prompt_len=args.prompt_len)
 

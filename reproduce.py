@@ -125,6 +125,11 @@ RUNS = [
     Run("main_disaggregation", "main_disaggregation.py", "docs/distributed.md", "disaggregation",
         "TTFT and TPOT per request: the colocated paged engine and the disaggregated pair",
         quick=("--n-requests", "8", "--repeats", "1")),
+    Run("main_speculative_decoding", "main_speculative_decoding.py", "docs/speculative_decoding.md",
+        "speculative_decoding", "speedup over plain decoding and tokens per target call against gamma, measured "
+        "beside the formulas", quick=("--draft-iters", "2", "--head-iters", "2", "--mtp-steps", "2", "--gammas", "1",
+                                      "2", "--n-tokens", "8", "--repeats", "1", "--stat-samples", "200",
+                                      "--stat-chars", "2", "--batch-sizes", "1", "2")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->

@@ -145,24 +145,24 @@ def speculative_generate(target, drafter, prompt, n_tokens, gamma, temperature=N
     hidden = target.hidden_states(prompt, cache)  # [B, P, d]
     seq[:, P] = pick_tokens(target.fc_out(target.ln(hidden[:, -1])), temperature, generator)  # prefill's token
     drafter.start(prompt, hidden)
-    stats, n = SpecStats(), P + 1  # seq[:, :n] is final; seq[:, n-1] is pending (not yet in the target's cache)
+    n, kept = P + 1, []  # seq[:, :n] is final; seq[:, n-1] is pending (not yet in the target's cache)
     while n < P + n_tokens:
         g = min(gamma, P + n_tokens - n - 1)  # never more tokens than are left
         draft, q = drafter.propose(seq, n, g, temperature, generator)  # [B, g], [B, g, V] or None
-        hidden = target.hidden_states(torch.cat([seq[:, n - 1:n], draft], dim=1), cache)  # [B, g+1, d]
+        seq[:, n:n + g] = draft  # provisional: what is rejected is overwritten later
+        hidden = target.hidden_states(seq[:, n - 1:n + g], cache)  # [B, g+1, d]: one pass over g + 1 tokens
         k, correction = accept(target.fc_out(target.ln(hidden)), draft, q, temperature, generator)
         m = int(k.min())  # every row keeps m draft tokens, then one more of its own
-        nxt = correction if m == g else torch.where(k > m, draft[:, m], correction)
-        seq[:, n:n + m] = draft[:, :m]
-        seq[:, n + m] = nxt
+        seq[:, n + m] = correction if m == g else torch.where(k > m, draft[:, m], correction)
         cache.truncate(n + m)  # the pending token and the m kept drafts; the rest is rolled back
         drafter.commit(n, m, hidden[:, :m + 1])
-        stats.rounds += 1
-        stats.emitted += m + 1
-        stats.accepted += int(k.sum())
-        stats.judged += int(torch.clamp(k + 1, max=g).sum()) if g else 0
-        stats.drafted += B * g
+        kept.append((k, g, m))
         n += m + 1
+    stats = SpecStats(rounds=len(kept), emitted=sum(m + 1 for _, _, m in kept), drafted=B * sum(g for _, g, _ in kept))
+    if kept:  # counted after the loop, in two reductions: no device sync per round
+        ks = torch.stack([k for k, _, _ in kept]).cpu()  # [rounds, B]
+        gs = torch.tensor([g for _, g, _ in kept])[:, None]
+        stats.accepted, stats.judged = int(ks.sum()), int(torch.minimum(ks + 1, gs).sum())
     return seq, stats
 
 
@@ -474,36 +474,44 @@ def measure_group(targets, drafts, prompts, gammas, n_tokens, temperature, devic
     """Plain decoding of each target and speculative decoding with every draft at every gamma, for one
     batch of prompts and one decoding mode (temperature None: greedy), all timed round-robin.
 
-    targets: {name: GPTlite}; drafts: {name: (target name, drafter)}. Returns one dict per plain target and
-    per (draft, gamma): TTFT/TPOT/throughput (compare_generation); alpha and tau (counted in the timed runs,
-    which are seeded: every repeat the same tokens) and tau's formula; the draft's cost c per draft token
+    targets: {name: GPTlite}; drafts: {name: (target name, drafter)}. Each draft's gammas are timed
+    round-robin with plain decoding of its target (a few seconds a round, so that a slow moment of the
+    machine falls on the baseline and the variants alike). Returns, per draft, one dict of plain decoding
+    (draft "plain", `beside` the draft) and one per gamma: TTFT/TPOT/throughput (compare_generation);
+    alpha and tau (counted in the timed runs, which are seeded: every repeat the same tokens) and tau's
+    formula; the draft's cost c per draft token
     and the verification pass's cost, both over one target decoding step; the speedup (plain TPOT / TPOT)
     against Leviathan's formula (a verification pass costing one step) and against tau / (gamma c + verify)."""
-    B, counted = prompts.shape[0], {}
-    fns = {("plain", t): (lambda n, m=m: plain_generate(m, prompts, n, temperature, seeded(device, seed)))
-           for t, m in targets.items()}
+    B, counted, timings = prompts.shape[0], {}, {}
+
+    def plain(n, t):
+        plain_generate(targets[t], prompts, n, temperature, seeded(device, seed))
 
     def speculate(n, t, drafter, g, key):
         counted[key, n] = run_once(targets[t], drafter, prompts, n, g, temperature, seed)[1]
-    for name, (t, drafter) in drafts.items():
-        for g in gammas:
-            fns[(name, g)] = lambda n, t=t, d=drafter, g=g, key=(name, g): speculate(n, t, d, g, key)
-    timings = iu.compare_generation(fns, n_tokens, B, device, warmup=1, repeats=repeats)
+    for name, (t, drafter) in drafts.items():  # each draft's gammas round-robin with plain decoding of its
+        fns = {"plain": lambda n, t=t: plain(n, t)}  # target: the baseline of a speedup is timed beside it
+        fns |= {g: (lambda n, t=t, d=drafter, g=g, key=(name, g): speculate(n, t, d, g, key)) for g in gammas}
+        group = iu.compare_generation(fns, n_tokens, B, device, warmup=1, repeats=repeats)
+        timings |= {(name, key): figures for key, figures in group.items()}
     costs = {}
     for t, target in targets.items():
         ours = {name: d for name, (tt, d) in drafts.items() if tt == t}
         if ours:
             step, verify, rounds = draft_costs(target, ours, prompts, gammas, temperature, device, repeats, seed)
             costs |= {(name, g): (s / step, verify[g] / step) for (name, g), s in rounds.items()}
-    results = [dict(draft="plain", target=t, gamma=0, **timings[("plain", t)], speedup=1.0) for t in targets]
+    results = []
     for name, (t, drafter) in drafts.items():
+        baseline = timings[(name, "plain")]
+        results.append(dict(draft="plain", target=t, beside=name, gamma=0, **baseline, speedup=1.0))
         for g in gammas:
             stats, (draft_cost, verify) = counted[(name, g), n_tokens], costs[(name, g)]
             figures = timings[(name, g)]
             tau = expected_tau(stats.alpha, g)
             results.append(dict(draft=name, target=t, gamma=g, **figures, alpha=stats.alpha, tau=stats.tau,
                                 tau_formula=tau, c=draft_cost / g, verify=verify,
-                                speedup=iu.ratio(timings[("plain", t)]["tpot_ms"], figures["tpot_ms"]),
+                                plain_tpot_ms=baseline["tpot_ms"],
+                                speedup=iu.ratio(baseline["tpot_ms"], figures["tpot_ms"]),
                                 speedup_formula=expected_speedup(stats.alpha, g, draft_cost),
                                 speedup_formula_verify=None if tau is None else tau / (draft_cost + verify)))
     return results
