@@ -64,7 +64,7 @@ def trained(model, config, name, preset, data, rebuild, stamp, steps, lr, seed, 
             batch_size=None):
     """`model` loaded from checkpoints/<preset>_spec_<name>.pt when its config and stamp match, else trained
     with train_steps (batches of batch_size windows, default the preset's) and saved.
-    Returns (model, {draft, params, steps, source, val_loss})."""
+    Returns (model, {variant (the draft), params, steps, source, val_loss})."""
     batch_size = batch_size or preset.batch_size
     path = files.checkpoint_path(f"{preset.name}_spec_{name.replace(' ', '_')}")
     evaluate = evaluate or (lambda m: training.validation_loss(m, data))
@@ -76,7 +76,7 @@ def trained(model, config, name, preset, data, rebuild, stamp, steps, lr, seed, 
     model, seconds = iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=dict(stamp, batch_size=batch_size),
                                      untrained=untrained)
     source = "untrained" if untrained else (f"trained in {seconds:.0f} s" if seconds is not None else f"loaded {path.name}")
-    return model, dict(draft=name, params=iu.n_params(model), steps=steps, source=source, val_loss=evaluate(model))
+    return model, dict(variant=name, params=iu.n_params(model), steps=steps, source=source, val_loss=evaluate(model))
 
 
 def build_drafts(target, preset, data, device, args, rebuild):
@@ -152,7 +152,7 @@ def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
                                accept or accept_draft)
         p_value = result["p_value"]
         passed = p_value is not None and p_value >= stat["significance"]
-        rows.append(dict(draft=name, gamma=None if drafter is None else g, samples=stat["samples"],
+        rows.append(dict(variant=name, gamma=None if drafter is None else g, samples=stat["samples"],
                          chi2=round(result["statistic"], 1), dof=result["dof"], p_value=p_value,
                          tv=round(result["tv"], 3),
                          verdict="too few samples" if p_value is None else PASSES if passed else "rejected"))
@@ -207,7 +207,7 @@ def gamma_table(results, gammas, batch, decoding):
     rows = []
     for name in dict.fromkeys(r["draft"] for r in results if r["draft"] != "plain"):
         by_gamma = {r["gamma"]: r for r in results if r["draft"] == name}
-        rows.append(dict(draft=name, **{f"x g={g}": rounded(by_gamma[g]["speedup"], 2) for g in gammas},
+        rows.append(dict(variant=name, **{f"x g={g}": rounded(by_gamma[g]["speedup"], 2) for g in gammas},
                          **{f"tau g={g}": rounded(by_gamma[g]["tau"], 2) for g in gammas[-1:]}))
     return harness.table(f"speedup over plain decoding by gamma, batch {batch}, {decoding} (and tau at the largest)",
                          rows)
@@ -307,8 +307,8 @@ def headline(rows, stat_rows):
                 f"{decoding} {r['variant']} {r['speedup']:.2f}x (gamma {r['gamma']}, alpha {r['alpha']:.2f}, tau {r['tau']:.2f})")
     batches, decodings = dict.fromkeys(r["batch"] for r in rows), dict.fromkeys(r["decoding"] for r in rows)
     gammas = sorted({r["gamma"] for r in rows if r["gamma"]})
-    tests = [r for r in stat_rows if "control" not in r["draft"]]
-    control = next(r for r in stat_rows if "accept always" in r["draft"])
+    tests = [r for r in stat_rows if "control" not in r["variant"]]
+    control = next(r for r in stat_rows if "accept always" in r["variant"])
     control_p = "-" if control["p_value"] is None else f"{control['p_value']:.0e}"
     return dict(technique=f"speculative decoding, {len(tests)} drafts, best gamma of {gammas[0]}..{gammas[-1]}",
                 figure="; ".join(f"batch {b}: " + ", ".join(best(b, d) for d in decodings) for b in batches)
@@ -346,7 +346,7 @@ def main(argv=None):
                plain_spread(sweep)]
     if "mtp" in drafts:
         summary.append(f"the mtp rows' target is {preset.name}.pt trained {args.mtp_steps} more steps with the MTP loss "
-                       f"(val loss {next(i for i in infos if i['draft'] == 'mtp')['val_loss']:.4f}); the other rows' "
+                       f"(val loss {next(i for i in infos if i['variant'] == 'mtp')['val_loss']:.4f}); the other rows' "
                        f"is {preset.name}.pt itself")
     harness.report(args, "main_speculative_decoding.py", preset, device, rows, headline(rows, stat_rows),
                    summary=summary,

@@ -291,6 +291,7 @@ def test_main_writes_a_row_per_draft_with_its_speedup(real_data, tmp_path, capsy
         if r["gamma"] is not None and r["tpot_ms"] is not None and r["plain_tpot_ms"] is not None:
             assert r["speedup"] == pytest.approx(r["plain_tpot_ms"] / r["tpot_ms"], abs=0.002)  # its own baseline
     assert {r["draft"] for r in result["sweep"]} == set(msd.DRAFTS) | {"plain"}
+    assert all(r.get("variant") for t in result["tables"] for r in t["rows"])  # every extra row names its draft
     assert all(ok for ok in result["checks"].values()) and len(result["checks"]) >= 2 * 7
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
