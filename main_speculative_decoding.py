@@ -309,11 +309,13 @@ def headline(rows, stat_rows):
     gammas = sorted({r["gamma"] for r in rows if r["gamma"]})
     tests = [r for r in stat_rows if "control" not in r["variant"]]
     control = next(r for r in stat_rows if "accept always" in r["variant"])
-    control_p = "-" if control["p_value"] is None else f"{control['p_value']:.0e}"
+    p = control["p_value"]
+    control_p = "too few samples" if p is None else (f"chi-square {control['chi2']:.0f} on {control['dof']} degrees of "
+                                                     f"freedom, p {f'{p:.0e}' if p > 0 else 'below 1e-300'}")
     return dict(technique=f"speculative decoding, {len(tests)} drafts, best gamma of {gammas[0]}..{gammas[-1]}",
                 figure="; ".join(f"batch {b}: " + ", ".join(best(b, d) for d in decodings) for b in batches)
                 + f"; sampling: {sum(r['verdict'] == PASSES for r in tests)} of {len(tests)} drafts "
-                  f"keep the target's distribution (chi-square), accept-always rejected (p {control_p})")
+                  f"keep the target's distribution (chi-square), accept-always rejected ({control_p})")
 
 
 def main(argv=None):
