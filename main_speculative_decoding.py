@@ -227,9 +227,10 @@ def plot_sweep(sweep, title):
             ax.plot(gammas, [r[f"{key}_formula"] for r in mine], linestyle="--", color=color)
         axes[0].plot(gammas, [r["speedup_formula_verify"] for r in mine], linestyle=":", color=color)
     axes[0].axhline(1.0, color="gray", linewidth=0.8)
+    batch = min(r["batch"] for r in sweep)
     axes[0].set(xlabel="gamma (draft tokens per round)", ylabel="speedup over plain decoding",
-                title=f"{title}: measured (solid), formula (dashed; dotted:\n"
-                      "with the verification pass's measured cost)")
+                title=f"{title}, batch {batch}, greedy: measured (solid), formula\n(dashed; dotted: with the "
+                      "verification pass's measured cost)")
     axes[1].set(xlabel="gamma (draft tokens per round)", ylabel="tau (tokens per target call)",
                 title="tokens per target call: measured (solid), formula (dashed)")
     axes[0].legend(fontsize=8)
