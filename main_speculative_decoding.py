@@ -27,8 +27,9 @@ against the target's exact probabilities at --significance, and the same test re
 keeps every draft token (the control). Per batch size and decoding (greedy, sampling at --temperature)
 the table gives each draft at its best gamma: acceptance rate alpha, tokens per target call tau against
 (1 - alpha^(gamma+1)) / (1 - alpha), the draft's cost c per token over a target step, and the speedup
-(plain TPOT / TPOT, both measured round-robin in this run) against (1 - alpha^(gamma+1)) /
-((1 - alpha)(gamma c + 1)).
+(plain TPOT / TPOT, plain decoding timed round-robin beside each draft in this run) against (1 -
+alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), and against tau / (gamma c + verify), with the measured cost
+of the gamma + 1 token verification pass.
 """
 import torch
 
