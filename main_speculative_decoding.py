@@ -69,15 +69,18 @@ def trained(model, config, name, preset, data, rebuild, stamp, steps, lr, seed, 
     batch_size = batch_size or preset.batch_size
     path = files.checkpoint_path(f"{preset.name}_spec_{name.replace(' ', '_')}")
     evaluate = evaluate or (lambda m: training.validation_loss(m, data))
+    history = []
 
     def train(m):
-        return training.train_steps(m, data, steps, batch_size, preset.seqlen, lr, seed=seed, loss_fn=loss_fn,
-                                    desc=f"training draft {name}", evaluate=evaluate)
+        history.extend(training.train_steps(m, data, steps, batch_size, preset.seqlen, lr, seed=seed, loss_fn=loss_fn,
+                                            desc=f"training draft {name}", evaluate=evaluate))
+        return history
     torch.manual_seed(seed)
     model, seconds = iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=dict(stamp, batch_size=batch_size),
                                      untrained=untrained)
     source = "untrained" if untrained else (f"trained in {seconds:.0f} s" if seconds is not None else f"loaded {path.name}")
-    return model, dict(variant=name, params=iu.n_params(model), steps=steps, source=source, val_loss=evaluate(model))
+    val_loss = history[-1]["val_loss"] if history else evaluate(model)  # training evaluated the final weights
+    return model, dict(variant=name, params=iu.n_params(model), steps=steps, source=source, val_loss=val_loss)
 
 
 def build_drafts(target, preset, data, device, args, rebuild):

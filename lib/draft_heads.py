@@ -35,9 +35,13 @@ class MedusaHeads(nn.Module):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
+    def state(self, k, h):
+        """Head k's (1-based) predicted state from h [..., d]: h + SiLU(W_k h)."""
+        return h + F.silu(self.heads[k - 1](h))
+
     def states(self, h, n=None):
         """h [..., d] -> [..., n, d]: the first n heads' predicted states (default all)."""
-        return torch.stack([h + F.silu(head(h)) for head in self.heads[:n]], dim=-2)
+        return torch.stack([self.state(k, h) for k in range(1, (n or len(self.heads)) + 1)], dim=-2)
 
     def forward(self, h, target, n=None):
         """Logits [B, n, V] of the first n heads from the states h [B, d]."""
@@ -85,7 +89,7 @@ def medusa_loss(heads, target, x, y, decay=0.8):
         h = full_hidden(target, x)  # [B, S, d]
     S, losses = x.shape[1], []
     for k in range(1, len(heads.heads) + 1):
-        logits = head_logits(target, heads.states(h[:, :S - k])[..., k - 1, :])  # [B, S-k, V]
+        logits = head_logits(target, heads.state(k, h[:, :S - k]))  # [B, S-k, V]: head k alone
         losses.append(F.cross_entropy(logits.flatten(0, 1), y[:, k:].flatten()))
     weights = [decay ** i for i in range(len(losses))]
     return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights), losses[0]

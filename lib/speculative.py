@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 import inference_utils as iu
+from gptlite import check_generation_args
 from gptlite_kvcache import StaticKVCache, kv_cache_view
+from lib.draft_heads import head_logits
 from lib.training import logits_of
 
 # ----------------------------------------------------------------------------------------------------
@@ -42,13 +44,13 @@ def target_probs(logits, temperature):
     return F.softmax(logits.float() / temperature, dim=-1)
 
 
-def pick_tokens(logits, temperature=None, generator=None):
-    """One token per row of logits [..., V]: the argmax (temperature None) or a sample at `temperature`."""
+def draw(logits, temperature=None, generator=None):
+    """One token per row of logits [B, V] and the distribution it was drawn from: the argmax and None
+    (temperature None), or a sample of softmax(logits / temperature) and that distribution."""
     if temperature is None:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), None
     probs = target_probs(logits, temperature)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
 
 
 def accept_draft(logits, draft, q, temperature=None, generator=None):
@@ -87,7 +89,7 @@ def accept_always(logits, draft, q, temperature=None, generator=None):
     bonus. Its tokens follow the draft's distribution, not the target's; the test must catch it."""
     B, g = draft.shape
     k = torch.full((B,), g, dtype=torch.long, device=draft.device)
-    return k, pick_tokens(logits[:, g], temperature, generator)
+    return k, draw(logits[:, g], temperature, generator)[0]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -100,7 +102,6 @@ class SpecStats:
     emitted: int = 0    # tokens per row produced by those passes
     accepted: int = 0   # draft tokens the rule kept, over rows (before a batch cuts to its fewest)
     judged: int = 0     # draft tokens the rule looked at: the kept ones and each row's first rejection
-    drafted: int = 0    # draft tokens proposed, over rows
 
     @property
     def alpha(self):
@@ -114,13 +115,13 @@ class SpecStats:
 
 
 def check_speculation_args(target, prompt, n_tokens, gamma, temperature=None):
-    """Clear errors before any decoding: gamma, the window, the temperature."""
-    if not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {gamma!r}")
-    if not isinstance(n_tokens, int) or n_tokens < 1:
-        raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    """Clear errors before any decoding: the prompt and n_tokens (gptlite's check_generation_args), gamma
+    (None: plain decoding), the window, the temperature."""
+    check_generation_args(target, prompt, n_tokens, target.seqlen)
     P, seqlen = prompt.shape[1], target.seqlen
-    if P + gamma + 1 > seqlen:
+    if gamma is not None and (not isinstance(gamma, int) or gamma < 1):
+        raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {gamma!r}")
+    if gamma is not None and P + gamma + 1 > seqlen:
         raise ValueError(f"gamma={gamma}: a prompt of {P} tokens and the gamma + 1 tokens of a verification pass "
                          f"exceed the window seqlen={seqlen}; use gamma <= {seqlen - P - 1}")
     if P + n_tokens - 1 > seqlen:
@@ -128,6 +129,14 @@ def check_speculation_args(target, prompt, n_tokens, gamma, temperature=None):
                          "speculation rolls its cache back, so it stays within one window; generate fewer tokens")
     if temperature is not None and not (isinstance(temperature, (int, float)) and 0 < temperature < math.inf):
         raise ValueError(f"temperature must be a finite number > 0 for sampling (None: greedy), got {temperature!r}")
+
+
+def prefill_target(target, prompt, temperature=None, generator=None):
+    """The target's prefill on a new static cache: (cache, the prompt's hidden states [B, P, d], the first
+    new token [B]). target: a model with a cached forward pass (kv_cache_view)."""
+    cache = StaticKVCache.for_model(target, prompt.shape[0])
+    hidden = target.hidden_states(prompt, cache)  # [B, P, d]
+    return cache, hidden, draw(head_logits(target, hidden[:, -1]), temperature, generator)[0]
 
 
 @torch.inference_mode()
@@ -141,9 +150,7 @@ def speculative_generate(target, drafter, prompt, n_tokens, gamma, temperature=N
     B, P = prompt.shape
     seq = torch.empty(B, P + n_tokens, dtype=torch.long, device=prompt.device)
     seq[:, :P] = prompt
-    cache = StaticKVCache.for_model(target, B)
-    hidden = target.hidden_states(prompt, cache)  # [B, P, d]
-    seq[:, P] = pick_tokens(target.fc_out(target.ln(hidden[:, -1])), temperature, generator)  # prefill's token
+    cache, hidden, seq[:, P] = prefill_target(target, prompt, temperature, generator)
     drafter.start(prompt, hidden)
     n, kept = P + 1, []  # seq[:, :n] is final; seq[:, n-1] is pending (not yet in the target's cache)
     while n < P + n_tokens:
@@ -151,14 +158,14 @@ def speculative_generate(target, drafter, prompt, n_tokens, gamma, temperature=N
         draft, q = drafter.propose(seq, n, g, temperature, generator)  # [B, g], [B, g, V] or None
         seq[:, n:n + g] = draft  # provisional: what is rejected is overwritten later
         hidden = target.hidden_states(seq[:, n - 1:n + g], cache)  # [B, g+1, d]: one pass over g + 1 tokens
-        k, correction = accept(target.fc_out(target.ln(hidden)), draft, q, temperature, generator)
+        k, correction = accept(head_logits(target, hidden), draft, q, temperature, generator)
         m = int(k.min())  # every row keeps m draft tokens, then one more of its own
         seq[:, n + m] = correction if m == g else torch.where(k > m, draft[:, m], correction)
         cache.truncate(n + m)  # the pending token and the m kept drafts; the rest is rolled back
         drafter.commit(n, m, hidden[:, :m + 1])
         kept.append((k, g, m))
         n += m + 1
-    stats = SpecStats(rounds=len(kept), emitted=sum(m + 1 for _, _, m in kept), drafted=B * sum(g for _, g, _ in kept))
+    stats = SpecStats(rounds=len(kept), emitted=sum(m + 1 for _, _, m in kept))
     if kept:  # counted after the loop, in two reductions: no device sync per round
         ks = torch.stack([k for k, _, _ in kept]).cpu()  # [rounds, B]
         gs = torch.tensor([g for _, g, _ in kept])[:, None]
@@ -170,14 +177,12 @@ def speculative_generate(target, drafter, prompt, n_tokens, gamma, temperature=N
 def plain_generate(target, prompt, n_tokens, temperature=None, generator=None):
     """The baseline: plain cached decoding of the target, one token per forward pass, on the same static
     cache and sampler as speculative_generate. Returns [B, P + n_tokens]."""
-    check_speculation_args(target, prompt, n_tokens, 1, temperature)
+    check_speculation_args(target, prompt, n_tokens, None, temperature)
     target = kv_cache_view(target)
-    cache = StaticKVCache.for_model(target, prompt.shape[0])
-    tokens, new = [prompt], prompt
-    for _ in range(n_tokens):
-        logits = target.forward_cache(new, cache)[:, -1]  # [B, V]
-        new = pick_tokens(logits, temperature, generator)[:, None]  # [B, 1]
-        tokens.append(new)
+    cache, _, token = prefill_target(target, prompt, temperature, generator)
+    tokens = [prompt, token[:, None]]
+    for _ in range(n_tokens - 1):
+        tokens.append(draw(target.forward_cache(tokens[-1], cache)[:, -1], temperature, generator)[0][:, None])
     return torch.cat(tokens, dim=1)
 
 
@@ -202,14 +207,6 @@ def expected_speedup(alpha, gamma, draft_cost):
 # generator) -> (draft [B, g], q [B, g, V] or None); commit(n, m, hidden) after a round kept m drafts
 # (hidden: the target's states of the pending token and the m kept, [B, m+1, d]); mark() / reset_to(mark)
 # to time a proposal and undo it.
-
-def draw(logits, temperature, generator):
-    """A draft token from logits [B, V] and the distribution it was drawn from (None when greedy)."""
-    if temperature is None:
-        return logits.argmax(dim=-1), None
-    q = target_probs(logits, temperature)
-    return torch.multinomial(q, 1, generator=generator)[:, 0], q
-
 
 def stack_draft(tokens, dists, B, device):
     draft = torch.stack(tokens, dim=1) if tokens else torch.empty(B, 0, dtype=torch.long, device=device)
@@ -352,7 +349,7 @@ class FeatureDrafter:
             fed = self.cache.n_tokens  # positions 0 .. n-2 can be built from true states
             state = self.head.step(seq[:, fed + 1:n], self.states[:, fed:n - 1], self.target, self.cache)
             for i in range(g):
-                logits = self.target.fc_out(self.target.ln(state[:, -1]))  # [B, V]
+                logits = head_logits(self.target, state[:, -1])  # [B, V]
                 token, q = draw(logits, temperature, generator)
                 tokens.append(token)
                 dists.append(q)
@@ -441,9 +438,8 @@ def draft_costs(target, drafters, prompts, gammas, temperature, device, repeats,
     call (caches rolled back). Returns (step seconds, {gamma: verify seconds}, {(name, gamma): seconds})."""
     target = kv_cache_view(target)
     B, P = prompts.shape
-    cache = StaticKVCache.for_model(target, B)
-    hidden = target.hidden_states(prompts, cache)
-    seq = torch.cat([prompts, pick_tokens(target.fc_out(target.ln(hidden[:, -1])))[:, None],
+    cache, hidden, first = prefill_target(target, prompts)
+    seq = torch.cat([prompts, first[:, None],
                      torch.zeros(B, max(gammas) + 1, dtype=torch.long, device=prompts.device)], dim=1)
     n = P + 1
     for drafter in drafters.values():  # the state after a round that kept nothing: one token decoded
@@ -452,7 +448,7 @@ def draft_costs(target, drafters, prompts, gammas, temperature, device, repeats,
     step_hidden = target.hidden_states(seq[:, n - 1:n], cache)
     for drafter in drafters.values():
         drafter.commit(n, 0, step_hidden)
-    seq[:, n] = pick_tokens(target.fc_out(target.ln(step_hidden[:, -1])))
+    seq[:, n] = draw(head_logits(target, step_hidden[:, -1]))[0]
     n += 1
 
     def target_pass(T):
@@ -479,8 +475,8 @@ def measure_group(targets, drafts, prompts, gammas, n_tokens, temperature, devic
     machine falls on the baseline and the variants alike). Returns, per draft, one dict of plain decoding
     (draft "plain", `beside` the draft) and one per gamma: TTFT/TPOT/throughput (compare_generation);
     alpha and tau (counted in the timed runs, which are seeded: every repeat the same tokens) and tau's
-    formula; the draft's cost c per draft token
-    and the verification pass's cost, both over one target decoding step; the speedup (plain TPOT / TPOT)
+    formula; the draft's cost c per draft token and the verification pass's cost, both over one target
+    decoding step; the speedup (plain TPOT / TPOT)
     against Leviathan's formula (a verification pass costing one step) and against tau / (gamma c + verify)."""
     B, counted, timings = prompts.shape[0], {}, {}
 
