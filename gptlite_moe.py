@@ -14,6 +14,15 @@ k of them, so a token runs k experts' weights while the model holds E.
 - `dense_forward`: every expert on every token, combined with a [N, E] weight matrix that is zero where a
   token was not routed: the reference the sparse path must equal.
 
+The sparse path has two forms with the same result: at decode (few assignments, N * k <= E) each token
+gathers its k experts' weights (gpt-fast's Mixtral); otherwise the assignments are sorted by expert and each
+expert runs once on its tokens (fairscale's and MegaBlocks' grouping).
+
+GPTlite_MoE is a GPTlite_KVCache (forward(idx, kv_cache, max_seqlen) -> (logits, cache)): the KV cache,
+prefill, decode_n_tokens and StaticKVCache work with it unchanged. A capacity applies to the tokens of one
+forward pass, so with a capacity factor a decode step (N = batch) routes differently from a full pass; the
+timed model is dropless (capacity None), as Mixtral and DeepSeek-V3 serve.
+
 The last forward pass's routing (loads, dropped assignments, the auxiliary loss) is kept on each layer as
 `routing`, for the training loss and the script's load histograms.
 """
@@ -24,8 +33,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlite import FeedForward, GPTlite, GPTliteConfig
-from lib.errors import GPTliteError
+from gptlite import FeedForward, GPTliteConfig
+from gptlite_kvcache import GPTlite_KVCache
+from lib import files
+from lib.errors import CheckpointError, GPTliteError
+from lib.training import logits_of
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -38,7 +50,7 @@ class RouterError(GPTliteError):
 class Routing:
     load: torch.Tensor       # [E] assignments each expert received (after capacity)
     dropped: int             # assignments past an expert's capacity
-    aux_loss: torch.Tensor   # the load-balancing loss of this forward pass (a scalar with gradient)
+    aux_loss: torch.Tensor   # the load-balancing loss of this pass (a scalar with gradient; None without grad)
 
 
 def check_moe_args(n_experts, top_k, capacity_factor, router):
@@ -50,6 +62,18 @@ def check_moe_args(n_experts, top_k, capacity_factor, router):
         raise ValueError(f"the capacity factor must be a finite number > 0 (None: no capacity), got {capacity_factor!r}")
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+
+
+def within_capacity(experts, keys, n_experts, capacity):
+    """Which assignments an expert takes: those among the first `capacity` of its queue, the queue ordered by
+    `keys` (distinct integers). experts, keys: [A] -> kept [A] (bool). The one capacity rule of the single
+    process and of an expert-parallel rank (which sees the assignments of every rank, with global keys)."""
+    order = torch.argsort(experts * (int(keys.max()) + 1) + keys) if len(keys) else keys  # by expert, then key
+    counts = torch.bincount(experts, minlength=n_experts)
+    first = torch.cumsum(counts, 0) - counts  # where each expert's queue starts in `order`
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(order), device=order.device) - first[experts[order]]
+    return position < capacity
 
 
 class MoEFeedForward(nn.Module):
@@ -67,14 +91,16 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(d_model, dropout_p, d_expert) if shared_expert else None
         self.dropout = nn.Dropout(dropout_p)
         self.routing = None
+        self.dense = False  # True: forward runs dense_forward (the reference)
 
     def capacity(self, n_tokens):
         if self.capacity_factor is None:
             return n_tokens  # an expert can take every token once
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
-    def route(self, x):
-        """x [N, d] -> experts [N, k], weights [N, k] (0 for a dropped assignment); sets self.routing."""
+    def select(self, x):
+        """The router without capacity: x [N, d] -> experts [N, k], their weights [N, k] (renormalised over the
+        k) and the router probabilities [N, E] (of the balancing loss)."""
         logits = self.gate(x)  # [N, E]
         if not torch.isfinite(logits).all():
             raise RouterError("the router produced non-finite scores (training diverged in the gate); lower the "
@@ -87,16 +113,25 @@ class MoEFeedForward(nn.Module):
             experts = (scores + self.selection_bias).topk(self.top_k, dim=-1).indices
             weights = scores.gather(1, experts)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights / weights.sum(dim=-1, keepdim=True), probs
+
+    def route(self, x):
+        """x [N, d] -> experts [N, k], weights [N, k] (0 for a dropped assignment); sets self.routing."""
+        experts, weights, probs = self.select(x)
         N, E = x.shape[0], self.n_experts
-        choice_major = experts.t().reshape(-1)  # [k*N]: every token's first choice, then the second ...
-        slot = (F.one_hot(choice_major, E).cumsum(0) - 1).gather(1, choice_major[:, None])[:, 0]  # queue position
-        kept = (slot < self.capacity(N)).reshape(self.top_k, N).t()  # [N, k]
-        weights = weights * kept
-        load = torch.bincount(experts[kept], minlength=E)
-        share = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype) / (N * self.top_k)  # f_e
-        self.routing = Routing(load=load.detach(), dropped=int((~kept).sum()),
-                               aux_loss=E * (share * probs.mean(dim=0)).sum())
+        if self.capacity_factor is None:  # dropless: every assignment kept (inference's common case)
+            load, dropped = torch.bincount(experts.reshape(-1), minlength=E), 0
+        else:
+            # GShard's queue order: every token's first choice, then every second choice, ...: key j * N + t
+            key = torch.arange(self.top_k * N, device=x.device).reshape(self.top_k, N).t()  # [N, k]
+            kept = within_capacity(experts.reshape(-1), key.reshape(-1), E, self.capacity(N)).reshape(N, self.top_k)
+            weights = weights * kept
+            load, dropped = torch.bincount(experts[kept], minlength=E), int((~kept).sum())
+        aux_loss = None
+        if torch.is_grad_enabled():  # training: Switch's balancing loss, E * sum_e f_e P_e
+            share = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype) / (N * self.top_k)  # f_e
+            aux_loss = E * (share * probs.mean(dim=0)).sum()
+        self.routing = Routing(load=load.detach(), dropped=dropped, aux_loss=aux_loss)
         return experts, weights
 
     def expert(self, e, x):
@@ -104,15 +139,42 @@ class MoEFeedForward(nn.Module):
         return F.relu(x @ self.w_in[e] + self.b_in[e]) @ self.w_out[e] + self.b_out[e]
 
     def forward(self, x):
-        """x [B, S, d] -> [B, S, d]: each token through its k experts only (tokens grouped by expert)."""
+        """x [B, S, d] -> [B, S, d]: each token through its k experts only."""
+        if self.dense:
+            return self.dense_forward(x)
         flat = x.reshape(-1, x.shape[-1])  # [N, d]
         experts, weights = self.route(flat)
+        return self.finish(self.combine(flat, experts, weights), flat, x.shape)
+
+    def combine(self, flat, experts, weights):
+        """sum_j weights[:, j] * expert_{experts[:, j]}(flat): [N, d]."""
+        if experts.numel() <= self.n_experts:  # decode: fewer assignments than experts
+            return self.gathered(flat, experts, weights)
+        return self.grouped(flat, experts.reshape(-1), weights.reshape(-1))
+
+    def gathered(self, flat, experts, weights):
+        """Each token with its own k experts' weights, gathered: [N, k, d, h] (gpt-fast's decode path)."""
+        hidden = F.relu(torch.einsum("nd,nkdh->nkh", flat, self.w_in[experts]) + self.b_in[experts])  # [N, k, h]
+        outputs = torch.einsum("nkh,nkhd->nkd", hidden, self.w_out[experts]) + self.b_out[experts]  # [N, k, d]
+        return (outputs * weights[..., None]).sum(dim=1)  # a dropped assignment has weight 0
+
+    def grouped(self, flat, experts, weights):
+        """The N*k assignments (experts, weights [N*k], token-major), the dropped ones (weight 0) left out."""
+        kept = torch.nonzero(weights > 0)[:, 0]
+        token = kept // self.top_k
         out = torch.zeros_like(flat)
-        for e in range(self.n_experts):
-            token, choice = torch.nonzero((experts == e) & (weights > 0), as_tuple=True)
-            if len(token):
-                out.index_add_(0, token, self.expert(e, flat[token]) * weights[token, choice, None])
-        return self.finish(out, flat, x.shape)
+        return out.index_add_(0, token, self.expert_outputs(flat[token], experts[kept]) * weights[kept, None])
+
+    def expert_outputs(self, x, experts):
+        """Row i of x [A, d] through this layer's expert experts[i]: [A, d]. The rows are sorted by expert and
+        each expert runs once on its own (fairscale's and MegaBlocks' grouping)."""
+        order = experts.argsort(stable=True)
+        counts = torch.bincount(experts, minlength=len(self.w_in)).tolist()
+        out = torch.empty_like(x)
+        for e, rows in enumerate(torch.split(order, counts)):
+            if len(rows):
+                out[rows] = self.expert(e, x[rows])
+        return out
 
     def dense_forward(self, x):
         """The reference: every expert on every token, [E, N, d], combined by a [N, E] matrix of the routing
@@ -154,8 +216,8 @@ class GPTliteMoEConfig(GPTliteConfig):
             object.__setattr__(self, "d_expert", self.d_ff)
 
 
-class GPTlite_MoE(GPTlite):
-    """GPTlite whose blocks' `ffwd` are MoEFeedForward layers; everything else is GPTlite's."""
+class GPTlite_MoE(GPTlite_KVCache):
+    """GPTlite_KVCache whose blocks' `ffwd` are MoEFeedForward layers; everything else is GPTlite's."""
     config_class = GPTliteMoEConfig
 
     def __init__(self, vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff=None, n_experts=8,
@@ -171,6 +233,21 @@ class GPTlite_MoE(GPTlite):
     def moe_layers(self):
         return [block.ffwd for block in self.blocks]
 
+    def dense_reference(self, dense=True):
+        """Every MoE layer runs its dense reference (every expert on every token, masked) until called with
+        dense=False. Returns the model."""
+        for layer in self.moe_layers():
+            layer.dense = dense
+        return self
+
+    def set_capacity_factor(self, capacity_factor):
+        """Every layer's capacity factor (None: dropless), checked; the config says the same."""
+        check_moe_args(self.config.n_experts, self.config.top_k, capacity_factor, self.config.router)
+        for layer in self.moe_layers():
+            layer.capacity_factor = capacity_factor
+        self.config = dataclasses.replace(self.config, capacity_factor=capacity_factor)
+        return self
+
     def aux_loss(self):
         """The load-balancing loss of the last forward pass, summed over layers."""
         return sum(layer.routing.aux_loss for layer in self.moe_layers())
@@ -181,9 +258,26 @@ def moe_loss_fn(aux_weight=0.01, bias_rate=0.0):
     sigmoid router's auxiliary-loss-free balancing) nudges each layer's selection bias after the forward
     pass, towards the experts that were under-loaded in this batch."""
     def loss_fn(model, x, y):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
         if bias_rate:
             for layer in model.moe_layers():
                 layer.update_selection_bias(bias_rate)
         return loss + aux_weight * model.aux_loss() if aux_weight else loss
     return loss_fn
+
+
+def moe_checkpoint(preset_name, n_experts, top_k, d_expert, router, balanced=True):
+    """Where main_moe.py keeps its MoE of these settings (trained with or without balancing)."""
+    return files.checkpoint_path(f"{preset_name}_moe_e{n_experts}k{top_k}h{d_expert}_{router}_"
+                                 f"{'balanced' if balanced else 'unbalanced'}")
+
+
+def load_moe(path, vocab=None, device="cpu"):
+    """A GPTlite_MoE saved by main_moe.py (its config holds n_experts), verified, in eval mode."""
+    rebuild = "python main_moe.py (with the settings of this file)"
+    ckpt = files.load_checkpoint(path, vocab=vocab, rebuild=rebuild)
+    if "n_experts" not in ckpt["config"]:
+        raise CheckpointError(f"{path} is not a mixture-of-experts checkpoint (no n_experts in its config); {rebuild}")
+    model = GPTlite_MoE(**ckpt["config"])
+    model.load_state_dict(ckpt["state_dict"])
+    return model.to(device).eval()

@@ -51,29 +51,41 @@ def shard_state_dict(state_dict, rank, world_size):
     return shard
 
 
-class AllReduce:
-    """Sum a tensor over the ranks in place (the row-parallel layers' one communication), counting
-    the calls, their payload bytes and the wall time spent in them (waiting for a slower rank included)."""
+class CommStats:
+    """Counts of one kind of collective: calls, payload bytes and wall time spent in them (waiting for a
+    slower rank included). Tensor parallelism's all-reduce and expert parallelism's all-to-all keep one."""
 
-    def __init__(self, world_size, group=None):
-        self.world_size, self.group = world_size, group
+    def __init__(self):
         self.reset()
 
     def reset(self):
         self.calls, self.nbytes, self.seconds = 0, 0, 0.0
 
+    def timed(self, op, device, nbytes):
+        """Run op() (a collective), count it with `nbytes` of payload; returns what op returns."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NCCL is asynchronous: time the transfer, not its launch
+        start = time.perf_counter()
+        result = op()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.nbytes += nbytes
+        return result
+
+
+class AllReduce(CommStats):
+    """Sum a tensor over the ranks in place (the row-parallel layers' one communication), counted."""
+
+    def __init__(self, world_size, group=None):
+        super().__init__()
+        self.world_size, self.group = world_size, group
+
     def __call__(self, x):
         if self.world_size == 1:
             return x
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)  # NCCL is asynchronous: time the transfer, not its launch
-        start = time.perf_counter()
-        dist.all_reduce(x, group=self.group)  # the sum over ranks
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        self.nbytes += x.nbytes
+        self.timed(lambda: dist.all_reduce(x, group=self.group), x.device, x.nbytes)  # the sum over ranks
         return x
 
 
