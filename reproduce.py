@@ -130,6 +130,13 @@ RUNS = [
         "beside the formulas", quick=("--draft-iters", "2", "--head-iters", "2", "--mtp-steps", "2", "--gammas", "1",
                                       "2", "--n-tokens", "8", "--repeats", "1", "--stat-samples", "200",
                                       "--stat-chars", "2", "--batch-sizes", "1", "2")),
+    Run("main_moe", "main_moe.py", "docs/moe.md", "moe",
+        "each layer's expert load, busiest first, with and without balancing; dropped assignments against capacity factor",
+        quick=("--iters", "2", "--repeats", "1", "--n-tokens", "4", "--val-batches", "2")),
+    # after main_moe: its balanced MoE is the model split here (2 gloo processes, started by the script)
+    Run("main_expert_parallel", "main_expert_parallel.py", "docs/moe.md", "expert_parallel",
+        "TPOT relative to one process, expert-parallel and tensor-parallel experts, the collectives hatched",
+        quick=("--batch-sizes", "2", "4", "--n-tokens", "4", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->

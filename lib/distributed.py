@@ -1,5 +1,5 @@
 """torch.distributed helpers shared by the multi-process scripts (main_tensor_parallel.py,
-main_disaggregation.py) and their tests. A script is launched by torchrun, which sets RANK,
+main_disaggregation.py, main_expert_parallel.py) and their tests. A script is launched by torchrun, which sets RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process:
 
     torchrun --nproc-per-node 2 main_tensor_parallel.py            # 2 processes on this machine
