@@ -137,6 +137,9 @@ RUNS = [
     Run("main_expert_parallel", "main_expert_parallel.py", "docs/moe.md", "expert_parallel",
         "TPOT relative to one process, expert-parallel and tensor-parallel experts, the collectives hatched",
         quick=("--batch-sizes", "2", "4", "--n-tokens", "4", "--repeats", "1")),
+    Run("main_pipeline_parallel", "main_pipeline_parallel.py", "docs/distributed.md", "pipeline_parallel",
+        "decode throughput and bubble against micro-batches, per number of stages",
+        quick=("--batch-size", "4", "--micro-batches", "1", "2", "--n-tokens", "4", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->
