@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache
-from gptlite_tp import CommStats
 
 
 def check_pp_size(n_layers, n_stages):

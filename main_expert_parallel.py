@@ -23,10 +23,7 @@ Then, round-robin, the variants (figures of rank 0): the single process with T t
 the whole batch over all ranks), the share of each step's time spent in the collectives (all-to-all or
 all-reduce, waiting for the slower rank included) and the bytes rank 0 sends per token of its own.
 """
-import contextlib
 import functools
-import io
-import os
 
 import torch
 import torch.distributed as dist
@@ -35,7 +32,7 @@ import inference_utils as iu
 from gptlite_ep import check_ep_size, parallel_moe_model, split_batch
 from gptlite_kvcache import decode_n_tokens, generate_kvcache, prefill
 from gptlite_moe import GPTlite_MoE, load_moe, moe_checkpoint
-from lib import corpus, distributed, files, harness, training
+from lib import corpus, distributed, harness, training
 
 ATOL = 1e-5  # float32 logits: the same terms, summed on other ranks in another order
 N_EXPERTS, TOP_K = 8, 2  # main_moe.py's defaults: its checkpoint
@@ -186,19 +183,12 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--ranks", type=harness.int_at_least(1), default=2,
-        help="processes on this machine: with N > 1 the script starts itself under torchrun; under torchrun: "
-             "its world size")
-    add("--threads", type=harness.int_at_least(1), default=1, help="torch threads per rank (and of the 1-rank baseline)")
+    distributed.add_rank_flags(parser, 2, "main_expert_parallel.py")
     add("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[2, 64],
         help="whole batches decoded (over all ranks: each must split evenly over them)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=5)
-    add("--timeout", type=harness.int_at_least(1), default=60,
-        help="seconds a rank waits for a peer in a collective before it stops with an error")
-    args = parser.parse_args(argv)
-    world = args.world = distributed.world_size() if distributed.launched() else args.ranks
-    if distributed.launched() and args.ranks not in (2, world):
-        parser.error(f"--ranks {args.ranks} differs from torchrun's {world} processes; give one or the other")
+    args = distributed.parse_ranks(parser, argv, 2)
+    world = args.world
     args.batch_sizes = sorted(set(args.batch_sizes))
 
     def check_args(preset):
@@ -211,24 +201,13 @@ def parse_args(argv):
         if odd:
             parser.error(f"--batch-sizes {odd}: expert parallelism splits the batch evenly over the {world} ranks; "
                          f"give multiples of {world}")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if local * args.threads > cores:
-            parser.error(f"{local} rank(s) x --threads {args.threads} exceed the {cores} CPU cores this process may use"
-                         ": the timings would measure threads waiting for a core; lower --threads or --ranks")
-        device = harness.get_device(args.device)
-        if device.type == "cuda" and world > torch.cuda.device_count():
-            parser.error(f"{world} processes need {world} CUDA devices on this machine (NCCL: one GPU per rank); "
-                         f"it has {torch.cuda.device_count()}")
+        distributed.check_ranks(parser, args)
         if not args.untrained and not checkpoint(preset).exists():
             parser.error(f"no MoE checkpoint {checkpoint(preset)}: train it once first with python main_moe.py "
                          f"--preset {preset.name} (N ranks would each train one), or use --untrained")
         harness.check_fits(parser, "--batch-sizes", 2 * world * training.activation_bytes(preset, max(args.batch_sizes)),
                            f"a batch of {max(args.batch_sizes)} prompts and its KV cache on {world} process(es)")
-    launcher = world > 1 and not distributed.launched()
-    quiet = launcher or distributed.launched() and distributed.rank() != 0
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        return (args, *harness.setup(args, parser, check_args))
+    return (args, *distributed.setup(args, parser, check_args))
 
 
 def main(argv=None):

@@ -20,10 +20,7 @@ and one process with the threads of all ranks (equal CPU).
 Checks first, on every rank: the tokens of every P and of 1 and the most micro-batches are identical to one
 process's generate_kvcache. Nothing is timed or written unless they hold.
 """
-import contextlib
 import functools
-import io
-import os
 
 import torch
 import torch.distributed as dist
@@ -148,18 +145,12 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--ranks", type=harness.int_at_least(1), default=2,
-        help="processes on this machine (the most stages P): the script starts itself under torchrun")
-    add("--threads", type=harness.int_at_least(1), default=1, help="torch threads per rank")
+    distributed.add_rank_flags(parser, 2, "main_pipeline_parallel.py")
     add("--micro-batches", type=harness.int_at_least(1), nargs="+", default=[1, 2, 4, 8],
         help="numbers of micro-batches m the batch is cut into")
     harness.add_generation_flags(parser, batch_size=32, prompt_len=32, n_tokens=32, repeats=5)
-    add("--timeout", type=harness.int_at_least(1), default=60,
-        help="seconds a rank waits for a peer before it stops with an error")
-    args = parser.parse_args(argv)
-    world = args.world = distributed.world_size() if distributed.launched() else args.ranks
-    if distributed.launched() and args.ranks not in (2, world):
-        parser.error(f"--ranks {args.ranks} differs from torchrun's {world} processes; give one or the other")
+    args = distributed.parse_ranks(parser, argv, 2)
+    world = args.world
     args.micro_batches = sorted(set(args.micro_batches))
 
     def check_args(preset):
@@ -173,24 +164,13 @@ def parse_args(argv):
         if args.prompt_len + args.n_tokens - 1 > preset.seqlen:
             parser.error(f"--prompt-len {args.prompt_len} + --n-tokens {args.n_tokens} exceed the window of "
                          f"{preset.seqlen} tokens: every token must fit each stage's KV cache")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if local * args.threads > cores:
-            parser.error(f"{local} rank(s) x --threads {args.threads} exceed the {cores} CPU cores this process may use"
-                         ": the timings would measure threads waiting for a core; lower --threads or --ranks")
-        device = harness.get_device(args.device)
-        if device.type == "cuda" and world > torch.cuda.device_count():
-            parser.error(f"{world} processes need {world} CUDA devices on this machine; it has "
-                         f"{torch.cuda.device_count()}")
+        distributed.check_ranks(parser, args)
         if world > 1 and not args.untrained and not files.checkpoint_path(preset.name).exists():
             parser.error(f"no checkpoint {files.checkpoint_path(preset.name)}: train it once first with "
                          f"{files.gptlite_command(preset.name)} (N ranks would each train one)")
         harness.check_fits(parser, "--batch-size", 2 * world * training.activation_bytes(preset, args.batch_size),
                            f"a batch of {args.batch_size} prompts and its KV cache on {world} process(es)")
-    launcher = world > 1 and not distributed.launched()
-    quiet = launcher or distributed.launched() and distributed.rank() != 0
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        return (args, *harness.setup(args, parser, check_args))
+    return (args, *distributed.setup(args, parser, check_args))
 
 
 def main(argv=None):

@@ -26,10 +26,7 @@ Per variant: weights and KV cache (full window, the large batch) per rank, the p
 of prompts, TPOT at batch 1 and at the large batch, and the all-reduce share of each (wall time inside
 dist.all_reduce, waiting for the slower rank included, over the step's time) with its bytes per token.
 """
-import contextlib
 import functools
-import io
-import os
 
 import torch
 import torch.distributed as dist
@@ -159,42 +156,22 @@ def plot_results(rows, preset, device):
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
     parser = harness.script_parser(__doc__)
-    add = parser.add_argument
-    add("--ranks", type=harness.int_at_least(1), default=1,
-        help="processes on this machine: with N > 1 the script starts itself under torchrun "
-             "(= torchrun --nproc-per-node N main_tensor_parallel.py); under torchrun: its world size")
-    add("--threads", type=harness.int_at_least(1), default=1, help="torch threads per rank (and of the 1-rank baseline)")
+    distributed.add_rank_flags(parser, 1, "main_tensor_parallel.py")
     harness.add_generation_flags(parser, batch_size=64, prompt_len=64, n_tokens=32, repeats=5, least_tokens=1)
-    add("--timeout", type=harness.int_at_least(1), default=60,
-        help="seconds a rank waits for a peer in a collective before it stops with an error")
-    args = parser.parse_args(argv)
-    world = args.world = distributed.world_size() if distributed.launched() else args.ranks
-    if distributed.launched() and args.ranks not in (1, world):
-        parser.error(f"--ranks {args.ranks} differs from torchrun's {world} processes; give one or the other")
+    args = distributed.parse_ranks(parser, argv, 1)
+    world = args.world
 
     def check_args(preset):
         try:
             check_tp_size(preset.n_heads, 4 * preset.d_model, world)
         except ValueError as e:
             parser.error(f"--ranks (or torchrun's --nproc-per-node): {e}")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the ranks on this machine
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if local * args.threads > cores:  # the baseline runs local x --threads threads too
-            parser.error(f"{local} rank(s) x --threads {args.threads} exceed the {cores} CPU cores this process may use"
-                         ": the timings would measure threads waiting for a core; lower --threads or --ranks")
-        device = harness.get_device(args.device)
-        if device.type == "cuda" and world > torch.cuda.device_count():
-            parser.error(f"{world} processes need {world} CUDA devices on this machine (NCCL: one GPU per rank); "
-                         f"it has {torch.cuda.device_count()}")
+        distributed.check_ranks(parser, args)
         if world > 1 and not args.untrained and not files.checkpoint_path(preset.name).exists():
             parser.error(f"no checkpoint {files.checkpoint_path(preset.name)}: train it once first with "
                          f"{files.gptlite_command(preset.name)} (N ranks would each train one)")
         check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens, world)
-    launcher = world > 1 and not distributed.launched()  # it checks every flag, then rank 0 says it again
-    quiet = launcher or distributed.launched() and distributed.rank() != 0  # rank 0 speaks
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        return (args, *harness.setup(args, parser, check_args))
-
+    return (args, *distributed.setup(args, parser, check_args))
 
 def check_sizes(parser, preset, batch_size, prompt_len, n_tokens, world):
     """The large batch through the model and its KV cache (a full window) on each of the `world` processes of

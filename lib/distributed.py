@@ -29,6 +29,11 @@ The API, small on purpose (everything else is plain torch.distributed):
                                              checked (launch without a limit; a failed rank raises)
     rank_group(device, timeout_s,            a context manager: join the group, yield the Dist, only
                memory_hint) -> Dist          rank 0 prints, collective_errors around the block, leave
+    add_rank_flags(parser, ranks, script)    a multi-process script's --ranks, --threads and --timeout;
+    parse_ranks(parser, argv, ranks)         its args with args.world (torchrun's world, else --ranks),
+                                             and check_ranks(parser, args, device) its cores and GPUs;
+    setup(args, parser, check_args)          harness.setup run by the launcher and by every rank, only
+                                             the ranks' rank 0 printing
     run_child(cmd, env, cwd, capture, ...)   run a command to its end in a session of its own; a
                                              SIGTERM, SIGINT or SIGHUP to this process, an exception
                                              or a timeout ends the command with every process it
@@ -51,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lib import harness
 from lib.errors import GPTliteError
 
 DEFAULT_TIMEOUT_S = 60  # how long a collective waits for a peer before it fails
@@ -265,6 +271,53 @@ def rank_group(device, timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
         with collective_errors(timeout_s, memory_hint):
             yield d
     shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The flags of a multi-process script (main_tensor_parallel.py and its kin).
+
+def add_rank_flags(parser, ranks, script):
+    """--ranks (default `ranks`), --threads and --timeout."""
+    parser.add_argument("--ranks", type=harness.int_at_least(1), default=ranks,
+                        help="processes on this machine: with N > 1 the script starts itself under torchrun "
+                             f"(= torchrun --nproc-per-node N {script}); under torchrun: its world size")
+    parser.add_argument("--threads", type=harness.int_at_least(1), default=1,
+                        help="torch threads per rank (and of the one-process baseline)")
+    parser.add_argument("--timeout", type=harness.int_at_least(1), default=DEFAULT_TIMEOUT_S,
+                        help="seconds a rank waits for a peer in a collective before it stops with an error")
+
+
+def parse_ranks(parser, argv, ranks):
+    """parser.parse_args(argv) with args.world: torchrun's world size under torchrun (a --ranks other than the
+    default `ranks` that differs from it is an error), else --ranks."""
+    args = parser.parse_args(argv)
+    args.world = world_size() if launched() else args.ranks
+    if launched() and args.ranks not in (ranks, args.world):
+        parser.error(f"--ranks {args.ranks} differs from torchrun's {args.world} processes; give one or the other")
+    return args
+
+
+def check_ranks(parser, args):
+    """The ranks of this machine x --threads fit its cores (the one-process baseline runs that many threads
+    too), and on CUDA each rank has a GPU: a parser error before any work."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.world))  # the ranks on this machine
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if local * args.threads > cores:
+        parser.error(f"{local} rank(s) x --threads {args.threads} exceed the {cores} CPU cores this process may use: "
+                     "the timings would measure threads waiting for a core; lower --threads or --ranks")
+    device = harness.get_device(args.device)
+    if device.type == "cuda" and args.world > torch.cuda.device_count():
+        parser.error(f"{args.world} processes need {args.world} CUDA devices on this machine (NCCL: one GPU per "
+                     f"rank); it has {torch.cuda.device_count()}")
+
+
+def setup(args, parser, check_args):
+    """harness.setup in a multi-process script: the launcher checks every flag (then starts torchrun) and each
+    rank checks them again; only the ranks' rank 0 prints. Returns (preset, device, data)."""
+    launcher = args.world > 1 and not launched()
+    quiet = launcher or launched() and rank() != 0
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        return harness.setup(args, parser, check_args)
 
 
 class _Stopped(BaseException):
