@@ -44,6 +44,7 @@ def write_offload_file(model, path):
                 "sha256": weights_sha256(model)}
     with atomic_file(path) as tmp:
         save_file(state, str(tmp), metadata=metadata)
+        tmp.chmod(0o644)  # safetensors creates it private; the checkpoints beside it are readable
 
 
 def read_header(path, hint):
