@@ -62,8 +62,9 @@ def read_header(path, hint):
                 raise ValueError(f"its header claims {n} bytes, the file has {size - 8} after the length")
             header = json.loads(f.read(n))
         metadata = header.pop("__metadata__", None) or {}
-        tensors = {name: (DTYPES[t["dtype"]], tuple(t["shape"]), 8 + n + t["data_offsets"][0], 8 + n + t["data_offsets"][1])
-                   for name, t in header.items()}
+        start = 8 + n  # the data follow the header; offsets count from there
+        tensors = {name: (DTYPES[t["dtype"]], tuple(t["shape"]), start + t["data_offsets"][0],
+                          start + t["data_offsets"][1]) for name, t in header.items()}
     except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a readable offload file (truncated or not safetensors: "
                               f"{type(e).__name__}: {e}); {hint}") from None
@@ -94,7 +95,6 @@ class OffloadFile:
         self.views = {name: torch.frombuffer(self.mm, dtype=dtype, count=(end - start) // dtype.itemsize,
                                              offset=start).view(shape)
                       for name, (dtype, shape, start, end) in tensors.items()}
-        self.ranges = {name: t[2:] for name, t in tensors.items()}
         self.sha256 = metadata["sha256"]
         if checkpoint_sha256(dict(config), None, self.views) != self.sha256:  # reads every byte once
             self.close()
@@ -104,22 +104,17 @@ class OffloadFile:
             self.close()
             raise CheckpointError(f"{self.path} holds the weights of another model than the one loaded (its sha256 "
                                   f"{self.sha256[:12]}, the model's {sha256[:12]}); {hint}")
-        self.drop(0, self.mm.size())
+        self.drop()
         address = ctypes.c_char.from_buffer(self.mm)
         self.address = ctypes.addressof(address)  # the mapping's start, to find it in /proc/self/smaps
         del address
 
-    def block_range(self, i):
-        """(first byte, end) of block i's tensors in the file: safetensors orders tensors by name."""
-        spans = [r for name, r in self.ranges.items() if name.startswith(f"blocks.{i}.")]
-        return min(s for s, _ in spans), max(e for _, e in spans)
-
-    def drop(self, start, end):
-        """Unmap the pages of [start, end) from this process and drop them from the page cache: the next
-        read of them goes to the disk."""
-        start -= start % mmap.PAGESIZE
-        self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-        os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+    def drop(self):
+        """Unmap the file's pages from this process and drop them from the page cache: the next read goes
+        to the disk. The whole file, not one block's bytes: the kernel's readahead and fault-around also
+        bring in pages beyond the block that was read."""
+        self.mm.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def resident_bytes(self):
         """Bytes of the mapping resident in this process now (Rss in /proc/self/smaps); None off Linux."""
@@ -153,7 +148,7 @@ class BlockStreamer:
     def __init__(self, model, prefetch=True):
         self.model, self.prefetch, self.n_blocks = model, prefetch, len(model.blocks)
         n_slots = 2 if prefetch else 1
-        device = model.fc_out.weight.device
+        self.device = device = model.fc_out.weight.device
         first = dict(model.blocks[0].named_parameters())
         self.slots = [{name: torch.empty_like(p, device=device) for name, p in first.items()} for _ in range(n_slots)]
         for i, block in enumerate(model.blocks):  # block i computes in slot i % n_slots
@@ -180,11 +175,13 @@ class BlockStreamer:
         """Block i is about to run: its weights must be in its slot; then start the next block's read if
         its slot is free (with 2 slots it is: the block before this one is done)."""
         self.start(i)  # without prefetch (or on the first pass) the read starts only now
+        s = self.slot(i)
+        job, self.jobs[s] = self.jobs[s], None
         t = time.perf_counter()
-        self.transfers.append(self._finish(self.jobs[self.slot(i)]))
+        self.transfers.append(self._finish(job))
         self.waited += time.perf_counter() - t
         self.passes += i == 0
-        self.streamed_bytes += self.block_bytes
+        self.streamed_bytes += self.block_bytes  # counted per read consumed: a pass that reads less fails tests
         nxt = (i + 1) % self.n_blocks  # after the last block, block 0 of the next pass
         if self.prefetch and self.slot(nxt) != self.slot(i):
             self.start(nxt)
@@ -247,8 +244,8 @@ class DiskStreamer(BlockStreamer):
         if self.measure_rss:  # before the drop: the most of the file this process holds (not timed)
             self.peak_file_rss = max(self.peak_file_rss, self.file.resident_bytes() or 0)
         t = time.perf_counter()
-        if self.drop_page_cache:
-            self.file.drop(*self.file.block_range(i))
+        if self.drop_page_cache:  # only this thread reads the mapping: nothing else is dropped from under it
+            self.file.drop()
         return seconds + time.perf_counter() - t
 
     def _finish(self, job):
@@ -276,7 +273,7 @@ class CudaStreamer(BlockStreamer):
         super().__init__(model, prefetch)
         self.pinned = [{name: file.views[f"blocks.{i}.{name}"].clone().pin_memory() for name in self.slots[0]}
                        for i in range(self.n_blocks)]
-        self.stream = torch.cuda.Stream(model.fc_out.weight.device)
+        self.stream = torch.cuda.Stream(self.device)
         self.free = [torch.cuda.Event() for _ in self.slots]  # recorded when a slot's block has computed
         self.waits = []
 
@@ -291,7 +288,7 @@ class CudaStreamer(BlockStreamer):
         return begin, end
 
     def _finish(self, job):
-        compute = torch.cuda.current_stream()
+        compute = torch.cuda.current_stream(self.device)
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(compute)
         compute.wait_event(job[1])
@@ -300,7 +297,7 @@ class CudaStreamer(BlockStreamer):
         return job
 
     def _released(self, s):
-        self.free[s].record(torch.cuda.current_stream())
+        self.free[s].record(torch.cuda.current_stream(self.device))
 
     @staticmethod
     def _seconds(job):
@@ -314,20 +311,22 @@ class CudaStreamer(BlockStreamer):
         self.waits = []
 
     def stats(self):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
         self.waited = sum(a.elapsed_time(b) for a, b in self.waits) / 1e3  # the host's wait is only the launch
         return super().stats()
 
 
 def offloaded_model(path, config, device, prefetch=True, drop_page_cache=True, sha256=None, hint=None):
     """A GPTlite_KVCache of `config` on `device` whose blocks stream from the offload file at `path`
-    (checked first: OffloadFile; `sha256`: the weights it must hold), and its streamer (DiskStreamer on CPU, CudaStreamer on CUDA). The
-    embeddings, final LayerNorm and head are loaded from the file and stay resident."""
+    (checked first: OffloadFile; `sha256`: the weights it must hold), and its streamer (DiskStreamer on
+    CPU, CudaStreamer on CUDA). The embeddings, final LayerNorm and head are loaded from the file and
+    stay resident."""
     file = OffloadFile(path, config, sha256, **({"hint": hint} if hint else {}))
     model = GPTlite_KVCache(**config)
     resident = {name: t.clone() for name, t in file.views.items() if not name.startswith("blocks.")}
     model.load_state_dict(resident, strict=False)  # the blocks' parameters become slot views below
     model.to(device).eval()
+    file.drop()  # the copies above read those pages
     if torch.device(device).type == "cuda":
         streamer = CudaStreamer(model, file, prefetch)
         file.close()  # the pinned copies are the slow tier now
