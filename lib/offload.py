@@ -95,6 +95,7 @@ class OffloadFile:
         self.views = {name: torch.frombuffer(self.mm, dtype=dtype, count=(end - start) // dtype.itemsize,
                                              offset=start).view(shape)
                       for name, (dtype, shape, start, end) in tensors.items()}
+        self.ranges = {name: t[2:] for name, t in tensors.items()}
         self.sha256 = metadata["sha256"]
         if checkpoint_sha256(dict(config), None, self.views) != self.sha256:  # reads every byte once
             self.close()
@@ -109,12 +110,17 @@ class OffloadFile:
         self.address = ctypes.addressof(address)  # the mapping's start, to find it in /proc/self/smaps
         del address
 
-    def drop(self):
-        """Unmap the file's pages from this process and drop them from the page cache: the next read goes
-        to the disk. The whole file, not one block's bytes: the kernel's readahead and fault-around also
-        bring in pages beyond the block that was read."""
+    def drop(self, end=0):
+        """Unmap every page of the file from this process (fault-around maps neighbours of what was read),
+        and drop its bytes [0, end) from the page cache (0: all): the next read of them goes to the disk.
+        What the kernel's readahead brought in past `end` (the next block's first pages) stays: the disk
+        did read it, once."""
         self.mm.madvise(mmap.MADV_DONTNEED)
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(self.fd, 0, end, os.POSIX_FADV_DONTNEED)
+
+    def block_end(self, i):
+        """The end of block i's bytes in the file (safetensors orders tensors by name: blocks.0. first)."""
+        return max(end for name, (start, end) in self.ranges.items() if name.startswith(f"blocks.{i}."))
 
     def resident_bytes(self):
         """Bytes of the mapping resident in this process now (Rss in /proc/self/smaps); None off Linux."""
@@ -244,8 +250,8 @@ class DiskStreamer(BlockStreamer):
         if self.measure_rss:  # before the drop: the most of the file this process holds (not timed)
             self.peak_file_rss = max(self.peak_file_rss, self.file.resident_bytes() or 0)
         t = time.perf_counter()
-        if self.drop_page_cache:  # only this thread reads the mapping: nothing else is dropped from under it
-            self.file.drop()
+        if self.drop_page_cache:  # blocks 0..i: the ones read up to now in this pass
+            self.file.drop(self.file.block_end(i))
         return seconds + time.perf_counter() - t
 
     def _finish(self, job):
