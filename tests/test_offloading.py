@@ -67,6 +67,25 @@ def test_every_pass_streams_the_blocks_weight_bytes_once(tmp_path, prefetch):
     streamer.close()
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_every_pass_reads_the_blocks_from_the_file_again(tmp_path, prefetch):
+    """Bytes changed in the file after it was opened and checked show in the next pass: nothing of a block
+    is kept between passes (a stand-in for a changed file, which the sha256 check refuses at opening)."""
+    resident = random_model()
+    path = written(resident, tmp_path)
+    model, streamer = offload.offloaded_model(path, resident.config.to_dict(), "cpu", prefetch=prefetch)
+    window = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(model(window)[0], resident(window)[0])
+        streamer.drain()
+        start, end = (offload.read_header(path, "")[0]["blocks.1.ffwd.net.0.weight"][i] for i in (2, 3))
+        with open(path, "r+b") as f:
+            f.seek(start)
+            f.write(bytes(end - start))  # block 1's first MLP weight: zeros
+        assert not torch.equal(model(window)[0], resident(window)[0])
+    streamer.close()
+
+
 def test_each_blocks_pages_leave_the_process_once_read(tmp_path):
     resident = random_model(d_model=256, n_heads=4, d_head=64)  # blocks of ~3 MB: many pages each
     path = written(resident, tmp_path)
