@@ -120,7 +120,7 @@ def stream_figures(streamer, fn, n_tokens, batch_size, repeats):
     hidden = [r["hidden"] for r in runs if r["hidden"] is not None]
     return dict(streamed_KB_per_token=round(runs[0]["streamed_bytes"] / (batch_size * n_tokens) / 2**10, 1),
                 hidden_pct=round(100 * iu.median(hidden), 1) if hidden else None,
-                tier_MB_s=round(iu.median([r["streamed_bytes"] / r["transfer_s"] / 2**20 for r in runs])))
+                tier_MB_s=round(iu.median([r["streamed_bytes"] / max(r["transfer_s"], 1e-9) / 2**20 for r in runs])))
 
 
 def file_rss_mb(model, streamer, prompts, seqlen):
