@@ -169,8 +169,9 @@ QUICK = ["--preset", "cpu", "--device", "cpu", "--untrained", "--batch-sizes", "
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--batch-sizes", "0"], "at least 1"), (["--batch-sizes", "2", "2"], "repeats"), (["--n-tokens", "1"], "at least 2"),
-    (["--repeats", "0"], "at least 1"), (["--offload-file", "/no/such/folder/w.safetensors"], "folder that exists"),
+    (["--batch-sizes", "0"], "at least 1"), (["--batch-sizes", "2", "2"], "repeats"),
+    (["--n-tokens", "1"], "at least 2"), (["--repeats", "0"], "at least 1"),
+    (["--offload-file", "/no/such/folder/w.safetensors"], "folder that exists"),
     (["--prompt-len", "500"], "seqlen"), (["--batch-sizes", "100000000"], "--batch-sizes"),
     (["--offload-file", "."], "give a file path")])
 def test_bad_offloading_flags_are_clear_errors_before_any_work(flags, match, capsys, monkeypatch, tmp_path):
