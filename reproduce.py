@@ -140,6 +140,9 @@ RUNS = [
     Run("main_pipeline_parallel", "main_pipeline_parallel.py", "docs/distributed.md", "pipeline_parallel",
         "decode throughput and bubble against micro-batches, per number of stages",
         quick=("--batch-size", "4", "--micro-batches", "1", "2", "--n-tokens", "4", "--repeats", "1")),
+    Run("main_offloading", "main_offloading.py", "docs/offloading.md", "offloading",
+        "TPOT and throughput against batch size: resident weights against weights streamed from disk block by block, "
+        "with and without prefetch", quick=("--batch-sizes", "1", "4", "--n-tokens", "8", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->
