@@ -143,6 +143,10 @@ RUNS = [
     Run("main_offloading", "main_offloading.py", "docs/offloading.md", "offloading",
         "TPOT and throughput against batch size: resident weights against weights streamed from disk block by block, "
         "with and without prefetch", quick=("--batch-sizes", "1", "4", "--n-tokens", "8", "--repeats", "1")),
+    Run("main_quantization", "main_quantization.py", "docs/quantization.md", "quantization",
+        "validation loss change against bits per weight, and a matrix-vector product larger than the cache",
+        quick=("--n-tokens", "4", "--prompt-len", "8", "--repeats", "1", "--val-batches", "1", "--calib-windows", "2",
+               "--bench-size", "256")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->

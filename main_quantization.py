@@ -1,0 +1,257 @@
+"""Quantization: weights in 8 and 4 bits (RTN, GPTQ, AWQ, torchao), W8A8 with SmoothQuant, FP8 emulated, and a
+KV cache in 4 and 2 bits (KIVI), against float32 on the same trained GPTlite.
+
+    python main_quantization.py                                   # cpu preset
+    python main_quantization.py --group-size 64 --kv-bits 4 2 --json q.json --plot q.png
+    python main_quantization.py --untrained --n-tokens 8 --repeats 1 --val-batches 2 --bench-size 1024
+
+Blog section: part 2 (quantization). lib/quantization.py holds the methods. Every Linear of the blocks is
+quantized (96% of the cpu preset's weights); the embeddings, LayerNorms and the head stay float32 and count in
+the size. Per variant: bits per weight (the serialized state dict's bytes x 8 over the float model's
+parameters: scales and float parts included), size, validation loss and its change, the share of greedy
+tokens equal to float32's, TPOT of greedy decoding with the KV cache at batch 1 and 8, KV-cache bytes per
+token. The int8 and int4 weight-only rows run ATen's packed CPU kernels.
+
+On this machine the model (3 MB) sits in the CPU's cache, so fewer weight bytes do not make a decode step
+faster here: a second table times one matrix-vector product on a matrix larger than the last-level cache (its
+size read from the machine), where the weights' bytes do bind, float32 against int8 and int4.
+
+Checks first: each weight-only variant's packed kernel gives the logits of its dequantize-then-matmul form
+(atol 1e-4). Nothing is timed or written unless they hold.
+"""
+import copy
+import glob
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import inference_utils as iu
+from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+from lib import corpus, harness, quantization as qz, training
+
+ATOL = 1e-4  # float32 logits: the packed kernels sum the same products in another order
+TORCHAO = "torchao==0.18.0"
+
+
+def weight_variants(group_size, alpha):
+    """{name: quantize_model's keyword arguments} (None: the float32 model)."""
+    G = group_size
+    return {"float32": None, "int8 per channel, RTN": dict(method="rtn", bits=8),
+            f"int4 g{G}, RTN": dict(method="rtn", bits=4), f"int4 g{G}, GPTQ": dict(method="gptq", bits=4),
+            f"int4 g{G}, AWQ": dict(method="awq", bits=4), f"W8A8 SmoothQuant (alpha {alpha:g})":
+            dict(method="w8a8", alpha=alpha), "W8A8 without smoothing": dict(method="w8a8", alpha=None),
+            "FP8 e4m3 per row (emulated)": dict(method="fp8")}
+
+
+def torchao_variants(model):
+    """torchao's int8 weight-only and dynamic int8 (W8A8) on the blocks' Linears; {} with a line when torchao is
+    not installed or its CPU path fails."""
+    try:
+        with iu.stderr_silenced():  # its optional CUDA extensions say on stderr that they did not load
+            from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        print(f"torchao is not installed (pip install {TORCHAO}): its rows are skipped")
+        return {}
+    out = {}
+    for name, config in (("torchao int8 weight-only", Int8WeightOnlyConfig()),
+                         ("torchao int8 dynamic (W8A8)", Int8DynamicActivationInt8WeightConfig())):
+        m = copy.deepcopy(model)
+        quantize_(m, config, filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn.startswith("blocks."))
+        out[name] = m
+    return out
+
+
+@torch.no_grad()
+def kernel_matches(model, kwargs, calibration, window):
+    """The quantized model with the packed kernels (for decoding), its dequantize-then-matmul form (for the
+    validation loss: ATen's int4 kernel is built for a few rows, slow on a batch of windows) and the max |logits
+    difference| between the two."""
+    plain = qz.quantize_model(model, calibration=calibration, kernel=False, **kwargs)
+    fast = qz.with_kernels(plain)
+    return fast, plain, (fast(window)[0] - plain(window)[0]).abs().max().item()
+
+
+@torch.no_grad()
+def kivi_loss(model, data, bits, block, n_batches):
+    """Validation loss with the KIVI cache: each window fed in chunks of `block` tokens, so that a token sees
+    the earlier blocks quantized and its own block in float32, as when decoding (validation_loss's batches)."""
+    generator = torch.Generator().manual_seed(1234)
+    device = model.fc_out.weight.device
+    losses = []
+    for _ in range(n_batches):
+        x, y = corpus.get_batch(data.val, 32, model.seqlen, generator, device)
+        cache = qz.KIVICache(model.config.n_layers, bits, block, model.seqlen)
+        logits = torch.cat([model(chunk, cache)[0] for chunk in x.split(block, dim=1)], dim=1)
+        losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    return sum(losses) / len(losses)
+
+
+def generators(models, kv_bits, block):
+    """{name: fn(prompts, n) -> tokens}: greedy decoding with the KV cache; KIVI rows with their cache."""
+    fns = {name: (lambda p, n, m=m: generate_kvcache(m, p, n, m.seqlen)) for name, m in models.items()}
+    base = models["float32"]
+    for bits in kv_bits:
+        fns[f"KIVI {bits}-bit KV cache"] = lambda p, n, b=bits: generate_kvcache(
+            base, p, n, base.seqlen, qz.KIVICache(base.config.n_layers, b, block, base.seqlen))
+    return fns
+
+
+def kv_bytes_per_token(fn_name, models, kv_bits, block, prompts):
+    """Bytes the cache holds per token after a prompt of the window (KIVI: its packed blocks and residual)."""
+    base = models["float32"]
+    cache = None
+    for bits in kv_bits:
+        if fn_name == f"KIVI {bits}-bit KV cache":
+            cache = qz.KIVICache(base.config.n_layers, bits, block, base.seqlen)
+    with torch.inference_mode():
+        _, held = base(prompts, cache)
+    return iu.kv_cache_bytes(held) / prompts.numel()
+
+
+def matmul_benchmark(size, repeats):
+    """One matrix-vector product x [1, K] @ W^T, W [size, size]: float32, dequantize-then-matmul int8, and ATen's
+    int8 and int4 kernels. Rows of weight MB, ms (median) and weight GB/s."""
+    torch.manual_seed(0)
+    linear = nn.Linear(size, size, bias=False)
+    x = torch.randn(1, size)
+    layers = {"float32 (F.linear)": linear, "int8 dequantize + F.linear": qz.rtn(linear, 8, 32, kernel=False),
+              "int8 _weight_int8pack_mm": qz.rtn(linear, 8, 32), "int4 g32 _weight_int4pack_mm_for_cpu": qz.rtn(linear, 4, 32)}
+    with torch.inference_mode():
+        times = iu.time_round_robin({name: (lambda m=m: m(x)) for name, m in layers.items()}, warmup=2, repeats=repeats)
+    rows = []
+    for name, layer in layers.items():
+        nbytes = sum(t.nbytes for t in list(layer.parameters()) + list(layer.buffers()))
+        ms = iu.median(times[name]) * 1e3
+        rows.append(dict(variant=name, weight_mb=round(nbytes / 2**20, 1), ms=round(ms, 3),
+                         weight_GB_per_s=round(nbytes / ms / 1e6, 1)))
+    for row in rows:
+        row["speedup_vs_float32"] = round(rows[0]["ms"] / row["ms"], 2)
+    return rows
+
+
+def last_level_cache_bytes():
+    """The largest CPU cache (Linux sysfs), or None when it cannot be read."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = open(path).read().strip()
+        sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}.get(text[-1], 1) if text[-1] in "KM" else int(text))
+    return max(sizes) if sizes else None
+
+
+def plot_results(rows, bench, preset, device):
+    fig, (ax_loss, ax_bench) = harness.new_figure(2)
+    for r in rows:
+        if r["bits_per_weight"] is not None and r["val_loss"] is not None:
+            ax_loss.scatter(r["bits_per_weight"], r["loss_change"])
+            ax_loss.annotate(r["variant"], (r["bits_per_weight"], r["loss_change"]), fontsize=6)
+    ax_loss.axhline(0, color="gray", linewidth=0.8)
+    ax_loss.set(xlabel="bits per weight (scales and float parts included)", ylabel="validation loss - float32's",
+                title=f"quality against size (preset {preset.name})")
+    ax_bench.bar(range(len(bench)), [b["speedup_vs_float32"] for b in bench])
+    ax_bench.set_xticks(range(len(bench)), [b["variant"].replace(" ", "\n", 1) for b in bench], fontsize=7)
+    ax_bench.axhline(1, color="gray", linewidth=0.8)
+    ax_bench.set(ylabel="speedup over float32", title=f"x @ W^T, W {bench[0]['weight_mb']:.0f} MB in float32 ({device})")
+    return fig
+
+
+def parse_args(argv):
+    """The flags, checked before any work: (args, preset, device, data)."""
+    parser = harness.script_parser(__doc__)
+    add = parser.add_argument
+    add("--group-size", type=harness.int_at_least(1), default=32, help="input columns per int4 scale and zero")
+    add("--alpha", type=harness.float_in(0.0, 1.0), default=0.5, help="SmoothQuant's migration strength")
+    add("--kv-bits", type=int, nargs="+", default=[4, 2], help=f"KIVI's bits per key and value, of {qz.KV_BITS}")
+    add("--kv-block", type=harness.int_at_least(1), default=32, help="KIVI's block of tokens (the float32 residual)")
+    add("--calib-windows", type=harness.int_at_least(1), default=16, help="calibration windows of GPTQ, AWQ, SmoothQuant")
+    add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
+    add("--bench-size", type=harness.int_at_least(64), default=None,
+        help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache)")
+    harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)
+    args = parser.parse_args(argv)
+
+    def check_args(preset):
+        for width in (preset.d_model, preset.n_heads * preset.d_head, 4 * preset.d_model):
+            try:
+                qz.check_group(width, args.group_size)
+            except ValueError as e:
+                parser.error(f"--group-size: {e}")
+        bad = [b for b in args.kv_bits if b not in qz.KV_BITS]
+        if bad:
+            parser.error(f"--kv-bits {bad}: KIVI here stores {qz.KV_BITS} bits per value")
+        if preset.seqlen % args.kv_block:
+            parser.error(f"--kv-block {args.kv_block} must divide the window of {preset.seqlen} tokens")
+        if args.prompt_len + args.n_tokens > preset.seqlen:
+            parser.error(f"--prompt-len + --n-tokens exceed the window of {preset.seqlen}")
+        if args.bench_size is None:
+            llc = last_level_cache_bytes() or 32 * 2**20
+            args.bench_size = 256 * math.ceil(math.sqrt(3 * llc) / 256)  # int4 (size^2 / 2 bytes): 1.5x the cache
+        harness.check_fits(parser, "--bench-size", 8 * args.bench_size**2, "the benchmark's matrices")
+    args.kv_bits = sorted(set(args.kv_bits), reverse=True)
+    return (args, *harness.setup(args, parser, check_args))
+
+
+def main(argv=None):
+    args, preset, device, data = parse_args(argv)
+    model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
+    calibration = corpus.sample_prompts(data, args.calib_windows, preset.seqlen, seed=args.seed + 1, device=device)
+    window = corpus.sample_prompts(data, 4, preset.seqlen, seed=args.seed, device=device)
+    models, plain, diffs = {"float32": model}, {}, {}
+    for name, kwargs in list(weight_variants(args.group_size, args.alpha).items())[1:]:
+        if kwargs["method"] in ("rtn", "gptq", "awq"):
+            models[name], plain[name], diffs[name] = kernel_matches(model, kwargs, calibration, window)
+        else:
+            models[name] = qz.quantize_model(model, calibration=calibration, **kwargs)
+    models.update(torchao_variants(model))
+    checks = {f"{name}: packed kernel = dequantize + matmul (max |logits diff| {d:.1e}, atol {ATOL:g})": d <= ATOL
+              for name, d in diffs.items()}
+    harness.require_checks(checks)
+    rows = measure(models, plain, diffs, data, args, preset, device)
+    bench = matmul_benchmark(args.bench_size, args.repeats + 2)
+    summary = list(checks) + [
+        "bits_per_weight: 8 x the serialized state dict's bytes / the float model's parameters; token_agreement: the "
+        f"share of greedy tokens (8 prompts x {args.n_tokens}) equal to float32's at the same position; KIVI: "
+        f"{args.kv_block}-token blocks, the latest (up to {args.kv_block - 1}) tokens in float32",
+        f"benchmark: x [1, {args.bench_size}] @ W^T, W [{args.bench_size}, {args.bench_size}]; last-level cache "
+        f"{(last_level_cache_bytes() or 0) / 2**20:.0f} MiB; median of {args.repeats + 2}, round-robin"]
+    best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
+    headline = dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
+                    figure=f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss "
+                           f"{best['loss_change']:+.4f}; int4 kernel {bench[3]['speedup_vs_float32']:.1f}x float32 "
+                           f"on a {bench[0]['weight_mb']:.0f} MB matrix")
+    harness.report(args, "main_quantization.py", preset, device, rows, headline, summary=summary,
+                   tables=[harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)],
+                   plot=lambda: plot_results(rows, bench, preset, device))
+
+
+def measure(models, plain, diffs, data, args, preset, device):
+    """Every variant's row: size, loss (of the dequantizing form where there is one: the same logits), token
+    agreement, TPOT at batch 1 and 8, KV bytes per token."""
+    fns = generators(models, args.kv_bits, args.kv_block)
+    prompts = corpus.sample_prompts(data, 8, args.prompt_len, seed=args.seed, device=device)
+    tokens = {name: fn(prompts, args.n_tokens)[:, args.prompt_len:] for name, fn in fns.items()}
+    timing = {b: iu.compare_generation({n: (lambda k, f=f: f(prompts[:b], k)) for n, f in fns.items()}, args.n_tokens,
+                                       b, device, repeats=args.repeats) for b in (1, 8)}
+    n_float = iu.n_params(models["float32"])
+    base_loss = training.validation_loss(models["float32"], data, args.val_batches)
+    window = corpus.sample_prompts(data, 1, preset.seqlen, seed=args.seed, device=device)
+    rows = []
+    for name in fns:
+        model = models.get(name, models["float32"])
+        kivi = name.startswith("KIVI")
+        loss = (kivi_loss(model, data, int(name.split()[1].split("-")[0]), args.kv_block, args.val_batches) if kivi
+                else base_loss if name == "float32" else training.validation_loss(plain.get(name, model), data,
+                                                                                  args.val_batches))
+        rows.append(harness.make_row(
+            name, bits_per_weight=round(8 * qz.serialized_bytes(model) / n_float, 2),
+            size_mb=round(qz.serialized_bytes(model) / 2**20, 3), val_loss=loss, loss_change=round(loss - base_loss, 4),
+            token_agreement=round((tokens[name] == tokens["float32"]).float().mean().item(), 3),
+            tpot_b1_ms=timing[1][name]["tpot_ms"], tpot_b8_ms=timing[8][name]["tpot_ms"],
+            kv_bytes_per_token=round(kv_bytes_per_token(name, models, args.kv_bits, args.kv_block, window), 1),
+            kernel_eq_dequant="-" if name not in diffs else "yes" if diffs[name] <= ATOL else "NO"))
+    return rows
+
+
+if __name__ == "__main__":
+    harness.run(main)

@@ -1,0 +1,166 @@
+"""lib/quantization.py and main_quantization.py: round to nearest against its formulas, the packed kernels
+against dequantize-then-matmul, GPTQ against the OBQ update written out (the inverse Hessian recomputed
+after every column), AWQ and SmoothQuant against their own invariants, W8A8 against an integer emulation,
+KIVI against per-channel and per-token quantization written here; bad settings are clear errors."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import main_quantization as mq
+from gptlite_kvcache import GPTlite_KVCache
+from lib import harness
+from lib import quantization as qz
+
+
+def linear(n_in, n_out, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+@pytest.mark.parametrize("n_in, n_out", [(128, 128), (128, 512), (512, 128)])
+def test_round_to_nearest_follows_its_formulas_and_the_kernels_equal_dequantize(n_in, n_out):
+    layer, x = linear(n_in, n_out), torch.randn(5, n_in)
+    w = layer.weight.detach()
+    q8 = qz.rtn(layer, 8, 32, kernel=False)
+    scale = w.abs().amax(1) / 127  # symmetric per output channel
+    assert torch.equal(q8.q, torch.round(w / scale[:, None]).to(torch.int8))
+    q4 = qz.rtn(layer, 4, 32, kernel=False)
+    groups = w.reshape(n_out, -1, 32)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    assert ((q4.weight() - w).abs().reshape(n_out, -1, 32) <= ((hi - lo) / 15 / 2 + 1e-6)[..., None]).all()
+    for bits in (8, 4):
+        plain = qz.rtn(layer, bits, 32, kernel=False)
+        torch.testing.assert_close(qz.rtn(layer, bits, 32)(x), plain(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(plain.kernel_form()(x), plain(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_and_unpack_round_trip(bits):
+    q = torch.randint(0, 2**bits, (3, 5, 32), dtype=torch.uint8)
+    packed = qz.pack(q, bits)
+    assert packed.shape == (3, 5, 32 * bits // 8) and torch.equal(qz.unpack(packed, bits), q)
+
+
+def obq_reference(W, X, scale):
+    """int8 per-channel GPTQ written as OBQ: after each column, the inverse Hessian of the remaining columns
+    recomputed (here by removing the column's row and column, the Gaussian elimination step)."""
+    W = W.clone().double()
+    H = 2 * X.double().t() @ X.double()
+    H += 0.01 * torch.diag(H).mean() * torch.eye(H.shape[0], dtype=H.dtype)
+    Hinv = torch.linalg.inv(H)
+    Q = torch.zeros_like(W)
+    for i in range(W.shape[1]):
+        Q[:, i] = torch.round(W[:, i] / scale).clamp(-127, 127) * scale
+        err = (W[:, i] - Q[:, i]) / Hinv[i, i]
+        W[:, i:] -= err[:, None] * Hinv[i, i:][None, :]
+        Hinv -= Hinv[:, i:i + 1] @ Hinv[i:i + 1, :] / Hinv[i, i]  # column i is fixed from now on
+    return Q
+
+
+def test_gptq_is_the_obq_update_and_beats_round_to_nearest_on_its_calibration():
+    layer, X = linear(64, 48), torch.randn(256, 64) * torch.linspace(0.1, 3, 64)  # unequal input channels
+    w = layer.weight.detach()
+    g = qz.gptq(layer, X, 8, None)
+    reference = obq_reference(w, X, w.abs().amax(1).double() / 127)
+    torch.testing.assert_close(g.weight().double(), reference, atol=1e-5, rtol=0)
+    for bits in (8, 4):
+        error = lambda q: ((X @ q.weight().t() - X @ w.t()) ** 2).mean()  # noqa: E731
+        assert error(qz.gptq(layer, X, bits, 32, kernel=False)) < error(qz.rtn(layer, bits, 32, kernel=False))
+
+
+def test_awq_never_does_worse_than_round_to_nearest_and_scales_the_input():
+    layer = linear(128, 64)
+    X = torch.randn(512, 128) * (1 + 20 * (torch.arange(128) % 17 == 0))  # a few outlier channels, as in LLMs
+    a, r = qz.awq(layer, X, 4, 32, kernel=False), qz.rtn(layer, 4, 32, kernel=False)
+    err = lambda q: ((q(X) - layer(X)) ** 2).mean()  # noqa: E731
+    assert err(a) <= err(r) and a.input_scale is not None  # alpha = 0 (s = 1, plain RTN) is on the grid
+    assert (a.input_scale[torch.arange(128) % 17 == 0].mean() > a.input_scale.mean())  # outliers scaled up
+
+
+def test_smoothing_keeps_the_function_and_w8a8_is_integer_arithmetic():
+    torch.manual_seed(0)
+    model = GPTlite_KVCache(vocab_size=65, d_model=32, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0, seqlen=16).eval()
+    idx = torch.randint(65, (2, 16))
+    with torch.no_grad():
+        before = model(idx)[0]
+        block = model.blocks[0]
+        qz.smooth(block.ln1, [block.mha.query_proj, block.mha.key_proj, block.mha.value_proj], torch.rand(32) * 5 + 0.1)
+        torch.testing.assert_close(model(idx)[0], before, atol=1e-5, rtol=0)
+    layer, x = linear(64, 32), torch.randn(7, 64)
+    w8a8 = qz.W8A8Linear(layer)
+    xq, xs = qz.quantize_per_token(x)
+    wq, ws = qz.quantize_int8(layer.weight.detach())
+    emulated = (xq.double() @ wq.double().t()) * xs.double() * ws.double() + layer.bias.double()
+    torch.testing.assert_close(w8a8(x).double(), emulated, atol=1e-5, rtol=0)
+
+
+def test_fp8_rounds_to_e4m3_with_its_relative_error():
+    x = torch.randn(4, 64)
+    y = qz.fake_fp8(x)
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    assert torch.equal((y / scale).to(torch.float8_e4m3fn).float() * scale, y)  # already on the e4m3 grid
+    big = x.abs() > scale * 2**-6  # normal e4m3 numbers: 3 mantissa bits, a relative error of at most 2^-4
+    assert ((y - x).abs()[big] <= x.abs()[big] * 2**-4 + 1e-7).all()
+
+
+def test_kivi_quantizes_keys_per_channel_and_values_per_token_and_is_float32_before_a_block_fills():
+    torch.manual_seed(0)
+    cache = qz.KIVICache(n_layers=1, bits=4, block=4)
+    k, v = torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)  # 6 tokens: one block of 4, a residual of 2
+    K, V, _ = cache.update(0, k, v)
+    blk_k, blk_v = k[:, :, :4], v[:, :, :4]
+    lo_k, hi_k = blk_k.amin(2, keepdim=True), blk_k.amax(2, keepdim=True)  # per channel, over the tokens
+    sk = (hi_k - lo_k) / 15
+    torch.testing.assert_close(K[:, :, :4], torch.round((blk_k - lo_k) / sk) * sk + lo_k, atol=1e-5, rtol=0)
+    lo_v, hi_v = blk_v.amin(3, keepdim=True), blk_v.amax(3, keepdim=True)  # per token, over the channels
+    sv = (hi_v - lo_v) / 15
+    torch.testing.assert_close(V[:, :, :4], torch.round((blk_v - lo_v) / sv) * sv + lo_v, atol=1e-5, rtol=0)
+    assert torch.equal(K[:, :, 4:], k[:, :, 4:]) and torch.equal(V[:, :, 4:], v[:, :, 4:])  # float32 residual
+    codes = 2 * 2 * 3 * 4 * 8 * 4 // 8
+    params = 2 * 3 * 8 * 4 * 2 + 2 * 3 * 4 * 4 * 2  # keys: scale and min per channel; values: per token
+    assert cache.nbytes == codes + params + 2 * k[:, :, 4:].nbytes
+    torch.manual_seed(1)
+    model = GPTlite_KVCache(vocab_size=65, d_model=32, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0, seqlen=16).eval()
+    idx = torch.randint(65, (2, 7))
+    with torch.no_grad():  # 7 tokens, a block of 8: nothing quantized yet (atol: a copied layout's summation order)
+        torch.testing.assert_close(model(idx, qz.KIVICache(2, 2, 8, 16))[0], model(idx)[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(method="rtn", bits=4, group_size=48), "does not divide"),
+                                           (dict(method="rtn", bits=3), "3 bits"), (dict(method="gptq"), "calibration"),
+                                           (dict(method="int2"), "unknown method")])
+def test_bad_quantization_settings_are_clear_errors(kwargs, match):
+    torch.manual_seed(0)
+    model = GPTlite_KVCache(vocab_size=65, d_model=32, n_heads=2, d_head=16, n_layers=1, dropout_p=0.0, seqlen=16)
+    with pytest.raises(ValueError, match=match):
+        qz.quantize_model(model, **kwargs)
+    with pytest.raises(ValueError, match="3 bits"):
+        qz.KIVICache(1, 3)
+
+
+QUICK = ["--preset", "cpu", "--device", "cpu", "--n-tokens", "4", "--prompt-len", "8", "--repeats", "1",
+         "--val-batches", "1", "--calib-windows", "2", "--bench-size", "256"]
+
+
+@pytest.mark.parametrize("flags, match", [(["--group-size", "48"], "--group-size"), (["--kv-bits", "3"], "--kv-bits"),
+                                          (["--kv-block", "48"], "--kv-block"), (["--alpha", "1.5"], "--alpha")])
+def test_bad_flags_are_clear_errors_before_any_work(flags, match, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        mq.main(["--untrained"] + QUICK + flags)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
+    out_json, out_png = tmp_path / "q.json", tmp_path / "q.png"
+    mq.main(["--untrained", "--json", str(out_json), "--plot", str(out_png)] + QUICK)
+    result = json.loads(out_json.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert {"float32", "int8 per channel, RTN", "int4 g32, GPTQ", "int4 g32, AWQ", "KIVI 2-bit KV cache"} <= set(rows)
+    assert rows["float32"]["token_agreement"] == 1.0 and rows["float32"]["loss_change"] == 0
+    assert all(r["kernel_eq_dequant"] == "yes" for n, r in rows.items() if n.startswith(("int8", "int4")))
+    assert rows["int4 g32, RTN"]["bits_per_weight"] < rows["int8 per channel, RTN"]["bits_per_weight"] < 12
+    assert rows["KIVI 2-bit KV cache"]["kv_bytes_per_token"] < rows["KIVI 4-bit KV cache"]["kv_bytes_per_token"] < 4096
+    assert len(result["tables"][0]["rows"]) == 4 and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
