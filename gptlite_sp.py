@@ -151,10 +151,10 @@ def ring_attention(q, k, v, layout, rank, comm=None, work=None, group=None):
                 if k_start >= q_end:  # chunks are equal or disjoint: this one is entirely in the future
                     work.skipped += 1
                     continue
-                out_i = out.narrow(2, q_off, q_end - q_start)
                 block = work.attend(q.narrow(2, q_off, q_end - q_start), k.narrow(2, k_off, k_end - k_start),
                                     v.narrow(2, k_off, k_end - k_start), causal=k_start == q_start)
-                lse[i] = merge_(out_i, lse[i], *block)
+                lse[i] = merge_(out.narrow(2, q_off, q_end - q_start), lse[i], *block)
+                del block  # its output: freed before the next block's
         if step + 1 < P:
             comm.timed(lambda: wait_all(requests), q.device, k.nbytes + v.nbytes)
             k, v = k_in, v_in
@@ -178,15 +178,15 @@ def ulysses_attention(q, k, v, layout, rank, comm=None, work=None, group=None):
     if layout.zigzag:
         raise ValueError("Ulysses gathers the tokens in rank order: give it contiguous shards, not zigzag")
     h, sizes = H // P, [layout.length(r) for r in range(P)]
-    send = q.new_empty(P, S_r, 3, B, h, D)  # to rank j: its heads of this rank's tokens
-    for i, x in enumerate((q, k, v)):
-        send[:, :, i] = x.reshape(B, P, h, S_r, D).permute(1, 3, 0, 2, 4)  # [P, S_r, B, h, D]
-    full = all_to_all(q.new_empty(layout.seq_len, 3, B, h, D), send.view(P * S_r, 3, B, h, D), sizes, [S_r] * P,
-                      rank, comm, group)  # [S, 3, B, h, D]: every token, this rank's heads
-    del send
-    q, k, v = (full[:, i].permute(1, 2, 0, 3) for i in range(3))  # [B, h, S, D] each
-    out = work.attend(q, k, v, causal=True)[0].permute(2, 0, 1, 3).contiguous()  # [S, B, h, D]
-    del full, q, k, v
+
+    def to_heads(x):  # [B, H, S_r, D] -> [B, h, S, D]: every token, this rank's heads
+        send = x.reshape(B, P, h, S_r, D).permute(1, 3, 0, 2, 4).contiguous()  # [P, S_r, B, h, D]: to rank j its heads
+        recv = all_to_all(x.new_empty(layout.seq_len, B, h, D), send.view(P * S_r, B, h, D), sizes, [S_r] * P, rank,
+                          comm, group)  # [S, B, h, D]
+        return recv.permute(1, 2, 0, 3)
+    # one all-to-all per tensor, as DeepSpeed's: a third of the buffers of one packed Q, K, V at a time
+    out = work.attend(to_heads(q), to_heads(k), to_heads(v), causal=True)[0]  # [B, h, S, D]
+    out = out.permute(2, 0, 1, 3).contiguous()  # [S, B, h, D]: tokens first, to split them
     back = all_to_all(out.new_empty(P * S_r, B, h, D), out, [S_r] * P, sizes, rank, comm, group)  # [P * S_r, B, h, D]
     return back.view(P, S_r, B, h, D).permute(2, 0, 3, 1, 4).reshape(B, H, S_r, D)  # heads back in rank order
 

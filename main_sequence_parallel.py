@@ -246,12 +246,12 @@ def headline(rows, world, backend):
     longest = max(r["seq_len"] for r in rows)
     by = {r["variant"]: r for r in rows if r["seq_len"] == longest}
     base = rows[0]["variant"]
+    ring, zigzag, ulysses = by["ring"], by["zigzag"], by["ulysses"]
     return dict(technique=technique,
-                figure=f"causal attention of {longest} tokens against {base}: ring {by['ring']['speedup']:.2f}x, zigzag "
-                       f"{by['zigzag']['speedup']:.2f}x, Ulysses {by['ulysses']['speedup']:.2f}x (above 1: faster); "
-                       f"per-rank peak memory {by['zigzag']['mem_vs_1_rank']:.2f}x (zigzag); work max/mean ring "
-                       f"{by['ring']['work_imbalance']:.2f}, zigzag {by['zigzag']['work_imbalance']:.2f}; outputs = one "
-                       "process")
+                figure=f"causal attention of {longest} tokens against {base}: ring {ring['speedup']:.2f}x, zigzag "
+                       f"{zigzag['speedup']:.2f}x, Ulysses {ulysses['speedup']:.2f}x (above 1: faster); per-rank peak "
+                       f"memory {zigzag['mem_vs_1_rank']:.2f}x (zigzag); work max/mean: ring "
+                       f"{ring['work_imbalance']:.2f}, zigzag {zigzag['work_imbalance']:.2f}; outputs = one process")
 
 
 def parse_args(argv):
@@ -293,7 +293,7 @@ def parse_args(argv):
             parser.error(f"{world} processes need {world} CUDA devices on this machine (NCCL: one GPU per rank); "
                          f"it has {torch.cuda.device_count()}")
         per_token = 4 * preset.n_heads * preset.d_head * 4  # float32 Q, K, V and the output
-        harness.check_fits(parser, "--seq-lens", 3 * local * per_token * max(args.seq_lens),  # the inputs, shards, buffers
+        harness.check_fits(parser, "--seq-lens", 3 * local * per_token * max(args.seq_lens),  # inputs, shards, buffers
                            f"attention over {max(args.seq_lens)} tokens on {local} process(es)")
         n = check_lengths(args.check_len, world)[0]
         harness.check_fits(parser, "--check-len", local * 3 * 2 * preset.n_heads * n * n * 4,  # explicit [2, H, n, n]
@@ -321,19 +321,22 @@ def experiment(args, preset, d, data):
         return
     rows = make_rows(names, figures, peaks, args.seq_lens, exact, args.threads)
     P = d.world_size
-    print(f"\n{P} rank(s), backend {d.backend}; causal attention alone, one sequence of random Q, K, V of {preset.n_heads} "
-          f"heads of {preset.d_head} (float32) at {', '.join(map(str, args.seq_lens))} tokens; median of {args.repeats} "
-          "rounds after a warm-up, round-robin")
+    print(f"\n{P} rank(s), backend {d.backend}; causal attention alone, one sequence of random Q, K, V of "
+          f"{preset.n_heads} heads of {preset.d_head} (float32) at {', '.join(map(str, args.seq_lens))} tokens; median "
+          f"of {args.repeats} rounds after a warm-up, round-robin")
     summary = list(results) + [
+        f"benchmark: causal attention alone (what needs the other ranks; the rest of a layer is per token), random "
+        f"Q, K, V of the preset's heads at {args.seq_lens[0]} to {args.seq_lens[-1]} tokens; a whole model's prefill "
+        "is checked above, not timed",
         f"time_ms: from a common barrier to the slowest rank's end; speedup: against {names[0]} (equal CPU) at the "
         "same length; peak_mem_mb: a rank's Q, K, V shards plus the peak tensor memory the call allocates above them "
         "(the largest rank; " + iu.peak_memory_label(d.device).split(": ", 1)[1] + "); mem_vs_1_rank: against the one "
         "process; sent_MB: bytes a rank sends to the others (ring: P-1 key/value blocks; Ulysses: the all-to-alls' "
         "share for other ranks); comm_pct: the share of a rank's time blocked in communication (ring: waiting for the "
         "next block, the rest overlaps; Ulysses: inside the all-to-alls), the largest rank's",
-        "blocks: attention blocks each rank computes (rank 0/1/...; a block of keys entirely in the future is skipped); "
-        "work_imbalance: query-key pairs attended, max over mean of the ranks (1.00: balanced); time_imbalance: the "
-        "same for the seconds inside the attention kernel; exact: the variant passed every check above"]
+        "blocks: attention blocks each rank computes (rank 0/1/...; a block of keys entirely in the future is "
+        "skipped); work_imbalance: query-key pairs attended, max over mean of the ranks (1.00: balanced); "
+        "time_imbalance: the same for the seconds inside the attention kernel; exact: the variant passed every check"]
     harness.report(args, "main_sequence_parallel.py", preset, d.device, rows, headline(rows, P, d.backend),
                    summary=summary, plot=lambda: plot_results(rows, preset, d.device, d.backend), world_size=P,
                    backend=d.backend, threads=args.threads, checks={line: bool(ok) for line, ok in results.items()})

@@ -89,7 +89,7 @@ def test_the_rotary_prefill_on_shards_runs_past_the_window_as_the_rotary_model()
     logits, cache = sp_prefill(model, idx, layout, 0, lambda q, k, v: ring_attention(q, k, v, layout, 0))
     expected, expected_cache = ref(idx)
     assert (logits - expected).abs().max() <= MODEL_ATOL and expected.abs().max() > 1  # not a near-zero model
-    assert all((a - b).abs().max() <= MODEL_ATOL for kv, ref_kv in zip(cache, expected_cache) for a, b in zip(kv, ref_kv))
+    assert all((a - b).abs().max() <= MODEL_ATOL for kv, ref in zip(cache, expected_cache) for a, b in zip(kv, ref))
 
 
 # ----------------------------------------------------------------------------------------------------
