@@ -151,7 +151,8 @@ def measure(preset, d, args):
     a barrier). Returns the variants' names, the figures of every rank [P, variant, length, repeat, 6]
     (seconds, comm seconds, bytes sent, pairs, kernel seconds, blocks) and the peak MiB [P, variant, length]."""
     P, T = d.world_size, args.threads
-    names = [f"1 rank x {P * T} thread{'s' * (P * T > 1)}", *METHODS]
+    singles = [P * T, T][:1 + (P > 1)]  # one process with the ranks' threads together (equal CPU), and with one rank's
+    names = [f"1 rank x {t} thread{'s' * (t > 1)}" for t in singles] + list(METHODS)
     figures = torch.zeros(len(names), len(args.seq_lens), args.repeats + 1, 6, dtype=torch.float64)
     peaks = torch.zeros(len(names), len(args.seq_lens), dtype=torch.float64)
     bar = tqdm(total=len(args.seq_lens) * len(names) * (args.repeats + 2), desc="rounds", disable=d.rank != 0,
@@ -159,8 +160,9 @@ def measure(preset, d, args):
     for j, seq_len in enumerate(args.seq_lens):
         q, k, v = random_qkv(seq_len, preset, d.device, args.seed)
         comms, works = [CommStats() for _ in names], [Work() for _ in names]
-        variants = [(1, P * T, (q, k, v), lambda q, k, v: works[0].attend(q, k, v, causal=True))]
-        for i, name in enumerate(METHODS, start=1):
+        variants = [(1, t, (q, k, v), lambda q, k, v, w=works[i]: w.attend(q, k, v, causal=True))
+                    for i, t in enumerate(singles)]
+        for i, name in enumerate(METHODS, start=len(singles)):
             layout, attention = method(name, seq_len, d.rank, P, comms[i], works[i])
             variants.append((P, T, tuple(layout.shard(x, d.rank) for x in (q, k, v)), attention))
         runs = [0] * len(names)
@@ -197,19 +199,20 @@ def measure(preset, d, args):
 
 
 def make_rows(names, figures, peaks, seq_lens, exact, threads):
-    """One row per length and variant: rank figures of `measure`, the one-process row first at each length."""
+    """One row per length and variant from every rank's figures (`measure`); the first variant, one process with
+    every rank's threads, is the base of speedup and mem_vs_1_rank."""
     world, rows = figures.shape[0], []
     for j, seq_len in enumerate(seq_lens):
         for i, name in enumerate(names):
-            split = i > 0
+            split = name in METHODS
             f = figures[:world if split else 1, i, j]  # [ranks, repeats, 6]
             seconds = iu.median(f[..., 0].max(dim=0).values.tolist())  # the slowest rank of each round
             peak = peaks[:world if split else 1, i, j].max().item()
-            if not split:
+            if i == 0:  # the one process with every rank's threads
                 base_seconds, base_peak = seconds, peak
             pairs, kernel = f[:, -1, 3], f[..., 4]  # pairs: the same every round
             rows.append(harness.make_row(
-                name, seq_len=seq_len, ranks=world if split else 1, threads=threads if split else world * threads,
+                name, seq_len=seq_len, ranks=world if split else 1, threads=world * threads if i == 0 else threads,
                 time_ms=round(seconds * 1e3, 1), speedup=round(base_seconds / seconds, 2), peak_mem_mb=peak,
                 mem_vs_1_rank=round(peak / base_peak, 2),
                 sent_MB=round(f[:, -1, 2].max().item() / 2**20, 2) if split else None,
@@ -218,7 +221,7 @@ def make_rows(names, figures, peaks, seq_lens, exact, threads):
                 work_imbalance=round((pairs.max() / pairs.mean()).item(), 2) if split else None,
                 time_imbalance=round(iu.median((kernel.max(dim=0).values / kernel.mean(dim=0)).tolist()), 2)
                 if split else None,
-                exact="yes" if exact["1 rank" if not split else name] else "no"))
+                exact="yes" if exact[name if split else "1 rank"] else "no"))
     return rows
 
 

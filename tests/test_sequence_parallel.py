@@ -200,11 +200,12 @@ def test_the_script_on_two_ranks_checks_then_writes_its_rows_and_plot(real_data,
     assert any(line.startswith("63 tokens, zigzag:") for line in saved["checks"])  # a length 2 does not divide
     rows = saved["rows"]
     assert [(r["variant"], r["seq_len"]) for r in rows] == [
-        (v, n) for n in (256, 511) for v in ("1 rank x 2 threads", "ring", "zigzag", "ulysses")]
+        (v, n) for n in (256, 511) for v in ("1 rank x 2 threads", "1 rank x 1 thread", "ring", "zigzag", "ulysses")]
     for row in rows:
         split = row["ranks"] == 2
         assert row["exact"] == "yes" and row["time_ms"] > 0 and row["peak_mem_mb"] > 0
         assert (row["sent_MB"] is not None) == split and (row["work_imbalance"] is not None) == split
+        assert row["threads"] == (2 if row["variant"] == "1 rank x 2 threads" else 1)
     by = {(r["variant"], r["seq_len"]): r for r in rows}
     assert by["ring", 256]["blocks"] == "1/2" and by["zigzag", 256]["blocks"] == "5/5"
     assert by["ring", 256]["work_imbalance"] > 1.4 and by["zigzag", 256]["work_imbalance"] == 1.0
