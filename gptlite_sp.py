@@ -15,6 +15,7 @@ everything but attention works per token and runs on the shard alone. Attention 
 Shards need not be equal: a length that P (or 2P) does not divide gives chunks one token apart, and every
 rank knows every shard's size (Layout), so each receive buffer has the exact size: no padding, no mask.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -83,11 +84,12 @@ class Work:
         self.seconds = 0.0
 
     def attend(self, q, k, v, causal):
-        """attend_block, counted."""
-        with iu.Timer(q.device) as t:
+        """attend_block, counted; timed on CPU only (on CUDA a synchronize would wait for the ring's transfer
+        in flight too, and undo the overlap it measures)."""
+        with iu.Timer(q.device) if q.device.type == "cpu" else contextlib.nullcontext() as t:
             result = attend_block(q, k, v, causal)
         B, H, Tq, _ = q.shape
-        self.blocks, self.seconds = self.blocks + 1, self.seconds + t.seconds
+        self.blocks, self.seconds = self.blocks + 1, self.seconds + (t.seconds if t is not None else 0.0)
         self.pairs += B * H * (Tq * (Tq + 1) // 2 if causal else Tq * k.shape[-2])
         return result
 
@@ -179,8 +181,10 @@ def ulysses_attention(q, k, v, layout, rank, comm=None, work=None, group=None):
         raise ValueError("Ulysses gathers the tokens in rank order: give it contiguous shards, not zigzag")
     h, sizes = H // P, [layout.length(r) for r in range(P)]
 
+    send = q.new_empty(P, S_r, B, h, D)  # to rank j its heads; one buffer for Q, K and V (gloo may still hold the last)
+
     def to_heads(x):  # [B, H, S_r, D] -> [B, h, S, D]: every token, this rank's heads
-        send = x.reshape(B, P, h, S_r, D).permute(1, 3, 0, 2, 4).contiguous()  # [P, S_r, B, h, D]: to rank j its heads
+        send.copy_(x.reshape(B, P, h, S_r, D).permute(1, 3, 0, 2, 4))
         recv = all_to_all(x.new_empty(layout.seq_len, B, h, D), send.view(P * S_r, B, h, D), sizes, [S_r] * P, rank,
                           comm, group)  # [S, B, h, D]
         return recv.permute(1, 2, 0, 3)

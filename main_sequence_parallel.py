@@ -12,8 +12,8 @@ Blog section: "Scaling out: parallelism and offloading". gptlite_sp.py holds the
 - zigzag: the same ring with rank r holding chunks r and 2P-1-r of 2P: the causal work balanced;
 - ulysses: all-to-all from sequence shards to head shards, local attention, all-to-all back (P | heads).
 
-Checks first, on every rank, at two prompt lengths: --check-len rounded up to a multiple of 2P, and one token
-less, which P does not divide (shards one token apart):
+Checks first, on every rank, at two prompt lengths: --check-len rounded up to a multiple of 2P (at least 4P),
+and one token less, which P does not divide (shards one token apart):
 - attention alone on random Q, K, V of the preset's heads: every method's output (and the one-process
   kernel's) = the explicit softmax attention on the whole sequence (gptlite.scaled_dot_product_attention);
 - a whole model's prefill: the rotary GPTlite of the preset (gptlite_rope.py), far past its 128-token window
@@ -77,8 +77,9 @@ def rotary_model(preset, device, seed):
 
 
 def check_lengths(check_len, world):
-    """A multiple of 2P (even shards, zigzag too) and one token less (uneven: P does not divide it)."""
-    even = -(-check_len // (2 * world)) * 2 * world
+    """A multiple of 2P, at least 4P (even shards, zigzag too), and one token less (uneven: P does not divide
+    it)."""
+    even = max(-(-check_len // (2 * world)), 2) * 2 * world
     return even, even - 1
 
 
@@ -220,7 +221,7 @@ def make_rows(names, figures, peaks, seq_lens, exact, threads):
                 blocks="/".join(str(int(b)) for b in f[:, -1, 5].tolist()) if split else None,
                 work_imbalance=round((pairs.max() / pairs.mean()).item(), 2) if split else None,
                 time_imbalance=round(iu.median((kernel.max(dim=0).values / kernel.mean(dim=0)).tolist()), 2)
-                if split else None,
+                if split and kernel.all() else None,  # none on CUDA: Work times the kernel on CPU only
                 exact="yes" if exact[name if split else "1 rank"] else "no"))
     return rows
 
@@ -269,7 +270,7 @@ def parse_args(argv):
     add("--seq-lens", type=harness.int_at_least(1), nargs="+", default=[8192, 16384, 32768],
         help="prompt lengths of the attention benchmark (tokens)")
     add("--check-len", type=harness.int_at_least(1), default=1000,
-        help="prompt length of the checks (rounded up to a multiple of 2P; and one token less)")
+        help="prompt length of the checks (rounded up to a multiple of 2P, at least 4P; and one token less)")
     add("--repeats", type=harness.int_at_least(1), default=3, help="timed rounds, median taken (after a warm-up)")
     add("--timeout", type=harness.int_at_least(1), default=60,
         help="seconds a rank waits for a peer before it stops with an error")

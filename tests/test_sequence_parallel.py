@@ -44,6 +44,12 @@ def test_a_layout_gives_every_token_to_one_rank_in_chunks_one_token_apart(seq_le
         assert all(layout.chunks(r) == [chunks[r], chunks[2 * world - 1 - r]] for r in range(world))
 
 
+@pytest.mark.parametrize("check_len, world, lengths", [(1000, 2, (1000, 999)), (1, 2, (8, 7)), (10, 3, (12, 11))])
+def test_the_check_lengths_are_a_multiple_of_2p_and_one_less_both_long_enough_for_zigzag(check_len, world, lengths):
+    assert msp.check_lengths(check_len, world) == lengths
+    assert Layout(lengths[1], world, zigzag=True).length(0) >= 1
+
+
 def test_a_sequence_shorter_than_its_chunks_is_refused():
     with pytest.raises(ValueError, match="cannot be cut into the 4 chunks of zigzag over 2"):
         Layout(3, 2, zigzag=True)
