@@ -35,9 +35,7 @@ Per row: time (the slowest rank, from a common barrier), per-rank peak memory (t
 sends, the share of time blocked in communication, the per-rank work (blocks computed; query-key pairs and
 kernel seconds, max over mean), and whether the method passed its checks.
 """
-import contextlib
 import functools
-import io
 import os
 
 import torch
@@ -264,22 +262,14 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--ranks", type=harness.int_at_least(1), default=2,
-        help="processes on this machine: with P > 1 the script starts itself under torchrun; under torchrun: "
-             "its world size")
-    add("--threads", type=harness.int_at_least(1), default=1, help="torch threads per rank (the one-process baseline "
-                                                                   "gets P x this)")
+    distributed.add_rank_flags(parser, 2, "main_sequence_parallel.py")
     add("--seq-lens", type=harness.int_at_least(1), nargs="+", default=[8192, 16384, 32768],
         help="prompt lengths of the attention benchmark (tokens)")
     add("--check-len", type=harness.int_at_least(1), default=1000,
         help="prompt length of the checks (rounded up to a multiple of 2P, at least 4P; and one token less)")
     add("--repeats", type=harness.int_at_least(1), default=3, help="timed rounds, median taken (after a warm-up)")
-    add("--timeout", type=harness.int_at_least(1), default=60,
-        help="seconds a rank waits for a peer before it stops with an error")
-    args = parser.parse_args(argv)
-    world = args.world = distributed.world_size() if distributed.launched() else args.ranks
-    if distributed.launched() and args.ranks not in (2, world):
-        parser.error(f"--ranks {args.ranks} differs from torchrun's {world} processes; give one or the other")
+    args = distributed.parse_ranks(parser, argv, 2)
+    world = args.world
     args.seq_lens = sorted(set(args.seq_lens))
 
     def check_args(preset):
@@ -289,25 +279,15 @@ def parse_args(argv):
                 Layout(seq_len, world, zigzag=True)
         except ValueError as e:
             parser.error(f"--ranks {world} / --seq-lens: {e}")
+        distributed.check_ranks(parser, args)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if local * args.threads > cores:
-            parser.error(f"{local} rank(s) x --threads {args.threads} exceed the {cores} CPU cores this process may use"
-                         ": the timings would measure threads waiting for a core; lower --threads or --ranks")
-        device = harness.get_device(args.device)
-        if device.type == "cuda" and world > torch.cuda.device_count():
-            parser.error(f"{world} processes need {world} CUDA devices on this machine (NCCL: one GPU per rank); "
-                         f"it has {torch.cuda.device_count()}")
         per_token = 4 * preset.n_heads * preset.d_head * 4  # float32 Q, K, V and the output
         harness.check_fits(parser, "--seq-lens", 3 * local * per_token * max(args.seq_lens),  # inputs, shards, buffers
                            f"attention over {max(args.seq_lens)} tokens on {local} process(es)")
         n = check_lengths(args.check_len, world)[0]
         harness.check_fits(parser, "--check-len", local * 3 * 2 * preset.n_heads * n * n * 4,  # explicit [2, H, n, n]
                            f"the explicit reference attention over {n} tokens on {local} process(es)")
-    launcher = world > 1 and not distributed.launched()
-    quiet = launcher or distributed.launched() and distributed.rank() != 0
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        return (args, *harness.setup(args, parser, check_args))
+    return (args, *distributed.setup(args, parser, check_args))
 
 
 def main(argv=None):

@@ -147,6 +147,9 @@ RUNS = [
         "validation loss change against bits per weight, and a matrix-vector product larger than the cache",
         quick=("--n-tokens", "4", "--prompt-len", "8", "--repeats", "1", "--val-batches", "1", "--calib-windows", "2",
                "--bench-size", "256")),
+    Run("main_sequence_parallel", "main_sequence_parallel.py", "docs/sequence_parallel.md", "sequence_parallel",
+        "causal attention time and per-rank peak memory against prompt length: one process, ring, zigzag and Ulysses "
+        "on 2 ranks", quick=("--seq-lens", "1024", "2048", "--check-len", "256", "--repeats", "1")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->
