@@ -165,7 +165,7 @@ def parse_args(argv):
     add("--kv-bits", type=int, nargs="+", default=[4, 2], help=f"KIVI's bits per key and value, of {qz.KV_BITS}")
     add("--kv-block", type=harness.int_at_least(1), default=32, help="KIVI's block of tokens (the float32 residual)")
     add("--calib-windows", type=harness.int_at_least(1), default=16, help="calibration windows of GPTQ, AWQ, SmoothQuant")
-    add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
+    add("--val-batches", type=harness.int_at_least(1), default=10, help="validation batches of 32 windows per loss")
     add("--bench-size", type=harness.int_at_least(64), default=None,
         help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)
