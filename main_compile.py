@@ -44,8 +44,9 @@ def parse_args(argv):
                         help="numbers of prompts generated together, a row group each")
     parser.add_argument("--extra-presets", choices=sorted(PRESETS), nargs="*", default=["distilled"],
                         help="more presets' shapes after --preset's (none: just --preset's)")
-    parser.add_argument("--modes", nargs="+", default=["default", "aoti"], choices=[*compiled.COMPILE_MODES, "aoti"],
-                        help="compiled variants (max-autotune and cpp-wrapper+freezing compile for minutes on a CPU)")
+    parser.add_argument("--modes", nargs="*", default=["default", "aoti"], choices=[*compiled.COMPILE_MODES, "aoti"],
+                        help="compiled variants (none: eager and engines only; max-autotune and cpp-wrapper+freezing "
+                        "compile for minutes on a CPU)")
     parser.add_argument("--engines", nargs="*", default=list(ENGINES), choices=list(ENGINES),
                         help="inference engines to compare with (none: no engine rows)")
     parser.add_argument("--threads", type=harness.int_at_least(1), nargs="+", default=None,
