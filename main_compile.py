@@ -2,6 +2,7 @@
 AOTInductor, against the same weights in Hugging Face transformers and CTranslate2.
 
     python main_compile.py                                        # cpu and distilled shapes, batch 1 and 8
+    python main_compile.py --modes default aoti                   # and the AOTInductor packages (+ minutes)
     python main_compile.py --modes default cpp-wrapper+freezing max-autotune aoti --extra-presets
     python main_compile.py --json compile.json --plot compile.png
 
@@ -18,8 +19,9 @@ Blog: part 2 ("kernel fusion and compilers"). The variants, each a greedy genera
 Compiled variants must give eager's tokens exactly, checked before anything is timed. Every row is timed
 at each --threads count and keeps the fastest (named in the row). Compile times are those of the first
 generation (both graphs), with Inductor's on-disk cache as this machine has it (a warm cache is faster).
-Defaults fit 10 minutes on 2 CPU cores: --modes default aoti. cpp-wrapper+freezing (about 2.5 minutes per
-shape there) and max-autotune are behind --modes. A shape without a checkpoint uses untrained weights.
+Defaults: --modes default. AOTI adds 40 to 110 s of compile per shape and batch on 2 loaded CPU cores,
+cpp-wrapper+freezing about 150 s, max-autotune more: behind --modes, so that the default run stays near
+10 minutes there. A shape without a checkpoint (distilled) uses untrained weights, said in its rows.
 """
 import os
 
@@ -44,9 +46,9 @@ def parse_args(argv):
                         help="numbers of prompts generated together, a row group each")
     parser.add_argument("--extra-presets", choices=sorted(PRESETS), nargs="*", default=["distilled"],
                         help="more presets' shapes after --preset's (none: just --preset's)")
-    parser.add_argument("--modes", nargs="*", default=["default", "aoti"], choices=[*compiled.COMPILE_MODES, "aoti"],
-                        help="compiled variants (none: eager and engines only; max-autotune and cpp-wrapper+freezing "
-                        "compile for minutes on a CPU)")
+    parser.add_argument("--modes", nargs="*", default=["default"], choices=[*compiled.COMPILE_MODES, "aoti"],
+                        help="compiled variants (none: eager and engines only; aoti, cpp-wrapper+freezing and max-autotune "
+                        "compile for minutes per shape on a CPU)")
     parser.add_argument("--engines", nargs="*", default=list(ENGINES), choices=list(ENGINES),
                         help="inference engines to compare with (none: no engine rows)")
     parser.add_argument("--threads", type=harness.int_at_least(1), nargs="+", default=None,
@@ -185,18 +187,21 @@ def add_ratios(rows):
 
 @torch.inference_mode()
 def profile_decode_step(model, prompt, steps=10, top=8):
-    """`steps` eager decode steps (the repository's, static cache) under torch.profiler, after a warm-up
-    one: (aten operator calls per step, their self CPU ms per step, the `top` operators by self CPU time
+    """`steps` eager decode steps (the repository's, static cache) at 1 thread under torch.profiler, after
+    a warm-up one: (aten operator calls per step, their self CPU ms per step, the `top` operators by self CPU time
     as rows, per step)."""
     from torch.profiler import ProfilerActivity, profile
     cache = StaticKVCache.for_model(model, prompt.shape[0])
     model(prompt, kv_cache=cache)
     token = prompt[:, -1:]
     decode_one_token(model, token, cache, model.seqlen)  # warm-up
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # eager's fastest at batch 1; no OpenMP waits in the operators' times
     with iu.stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             cache.truncate(prompt.shape[1])  # the same position every step
             decode_one_token(model, token, cache, model.seqlen)
+    torch.set_num_threads(saved)
     ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     total_ms = sum(e.self_cpu_time_total for e in ops) / 1e3 / steps
     rows = [dict(operator=e.key, calls=e.count // steps, self_ms=e.self_cpu_time_total / 1e3 / steps,

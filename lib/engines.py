@@ -8,6 +8,7 @@ shift: logits = W (ln(x) + beta') with W beta' = W beta + b, which has an exact 
 [vocab, d_model] has full row rank (vocab 65 < d_model): beta' = beta + pinv(W) b, in float64.
 Each engine is optional: `missing(name)` names the package to install.
 """
+import copy
 import importlib.util
 import os
 import tempfile
@@ -77,7 +78,8 @@ def ct2_model(hf, quantization, out_dir):
     tokenizer to save) into out_dir, "float32" or "int8" weights; returns out_dir. The vocabulary is the
     token ids written as strings."""
     from ctranslate2.converters.transformers import GPT2Loader
-    spec = GPT2Loader().get_model_spec(hf.cpu())  # moves `hf` to the CPU: the engines here run there
+    # a copy: the spec's arrays share the weights' memory, and converting and quantizing them changes them
+    spec = GPT2Loader().get_model_spec(copy.deepcopy(hf).cpu())
     spec.register_vocabulary([str(i) for i in range(hf.config.vocab_size)])
     spec.config.bos_token = spec.config.eos_token = spec.config.unk_token = "0"  # never ends: min_length below
     spec.validate()
