@@ -47,8 +47,8 @@ def parse_args(argv):
     parser.add_argument("--extra-presets", choices=sorted(PRESETS), nargs="*", default=["distilled"],
                         help="more presets' shapes after --preset's (none: just --preset's)")
     parser.add_argument("--modes", nargs="*", default=["default"], choices=[*compiled.COMPILE_MODES, "aoti"],
-                        help="compiled variants (none: eager and engines only; aoti, cpp-wrapper+freezing and max-autotune "
-                        "compile for minutes per shape on a CPU)")
+                        help="compiled variants (none: eager and engines only; aoti, cpp-wrapper+freezing and "
+                        "max-autotune compile for minutes per shape on a CPU)")
     parser.add_argument("--engines", nargs="*", default=list(ENGINES), choices=list(ENGINES),
                         help="inference engines to compare with (none: no engine rows)")
     parser.add_argument("--threads", type=harness.int_at_least(1), nargs="+", default=None,
@@ -155,8 +155,8 @@ def measure_shape(shape, model, weights, data, args, device, workdir):
         prompt = corpus.sample_prompts(data, batch_size, args.prompt_len, seed=args.seed, device=device)
         variants = build_variants(model, prompt, args, workdir)
         reference = variants["eager"][0](args.n_tokens)
-        checks = {f"{name} ({shape}, batch {batch_size}): tokens equal eager's": torch.equal(fn(args.n_tokens), reference)
-                  for name, (fn, *_) in variants.items()}
+        checks = {f"{name} ({shape}, batch {batch_size}): tokens equal eager's":
+                  torch.equal(fn(args.n_tokens), reference) for name, (fn, *_) in variants.items()}
         harness.require_checks(checks)  # nothing is timed unless the compiled tokens are eager's
         cpu_prompt = prompt.cpu()
         fns = {t: {name: fn for name, (fn, *_) in variants.items()} for t in args.threads}

@@ -90,7 +90,7 @@ def test_ctranslate2_float32_gives_eager_tokens_and_int8_runs(tiny, tmp_path):
     assert torch.equal(engines.ct2_generate(generator, prompt, N_TOKENS), eager)
     int8 = engines.ct2_generator(engines.ct2_model(hf, "int8", str(tmp_path / "i8")), threads=1)
     assert engines.ct2_generate(int8, prompt, N_TOKENS).shape == eager.shape  # its tokens may differ
-    assert torch.equal(engines.hf_generate(hf, prompt, N_TOKENS), eager)  # converting left the port's weights as they were
+    assert torch.equal(engines.hf_generate(hf, prompt, N_TOKENS), eager)  # converting left the port's weights alone
 
 
 def test_a_missing_engine_is_one_line_naming_the_package():
