@@ -150,6 +150,10 @@ RUNS = [
     Run("main_sequence_parallel", "main_sequence_parallel.py", "docs/sequence_parallel.md", "sequence_parallel",
         "causal attention time and per-rank peak memory against prompt length: one process, ring, zigzag and Ulysses "
         "on 2 ranks", quick=("--seq-lens", "1024", "2048", "--check-len", "256", "--repeats", "1")),
+    Run("main_compile", "main_compile.py", "docs/compile.md", "compile",
+        "TPOT per variant (eager, torch.compile, transformers, CTranslate2) at batch 1 and 8, log scale, on the cpu "
+        "and distilled presets' shapes", quick=("--n-tokens", "8", "--prompt-len", "8", "--repeats", "1", "--batch-sizes",
+                                               "1", "--extra-presets", "--modes", "default")),
 ]
 SUMMARY = ("README.md", "summary")  # the one-glance table: <!-- reproduce:summary:table -->
 CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!-- reproduce:checkpoints:table -->
