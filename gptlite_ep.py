@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gptlite_moe import GPTlite_MoE, MoEFeedForward, Routing, within_capacity
+from gptlite_moe import MoEFeedForward, Routing, within_capacity
 from gptlite_tp import AllReduce, CommStats
 
 MODES = ("expert", "tensor")
@@ -68,14 +68,22 @@ class AllToAll(CommStats):
         return out
 
 
-class ExpertParallelMoE(MoEFeedForward):
-    """One rank's MoE layer: the router and shared expert whole, experts [first, first + E/N) only."""
+class SplitMoE(MoEFeedForward):
+    """A copy of the MoE layer `full` (its router, shared expert and settings); a subclass then keeps its share
+    of the experts' weights."""
 
-    def __init__(self, full, rank, world_size, all_to_all):
+    def __init__(self, full):
         d_model, d_expert = full.w_in.shape[1:]
         super().__init__(d_model, d_expert, full.n_experts, full.top_k, full.capacity_factor, full.router,
                          full.shared is not None)
         self.load_state_dict(full.state_dict())
+
+
+class ExpertParallelMoE(SplitMoE):
+    """One rank's MoE layer: the router and shared expert whole, experts [first, first + E/N) only."""
+
+    def __init__(self, full, rank, world_size, all_to_all):
+        super().__init__(full)
         per = full.n_experts // world_size
         self.first, self.per_rank, self.rank, self.world_size = rank * per, per, rank, world_size
         for name in ("w_in", "b_in", "w_out", "b_out"):  # [E/N, ...]: this rank's experts
@@ -96,7 +104,7 @@ class ExpertParallelMoE(MoEFeedForward):
         send = torch.bincount(expert // self.per_rank, minlength=self.world_size)  # [N]
         recv = self.all_to_all.counts(send)
         send, recv = send.tolist(), recv.tolist()
-        meta = torch.stack([expert[order] - (expert[order] // self.per_rank) * self.per_rank, key[order]], dim=1)
+        meta = torch.stack([expert[order] % self.per_rank, key[order]], dim=1)
         rows = self.all_to_all(flat[token[order]], send, recv)  # [R, d]: the tokens sent to this rank's experts
         rows_meta = self.all_to_all(meta, send, recv)  # [R, 2]: their local expert and global queue key
         local = rows_meta[:, 0]
@@ -111,14 +119,12 @@ class ExpertParallelMoE(MoEFeedForward):
         return self.finish(out, flat, x.shape)
 
 
-class ExpertTensorParallelMoE(MoEFeedForward):
+class ExpertTensorParallelMoE(SplitMoE):
     """One rank's MoE layer: every expert with d_expert / N neurons, the router whole; one all-reduce."""
 
     def __init__(self, full, rank, world_size, all_reduce):
-        d_model, d_expert = full.w_in.shape[1:]
-        super().__init__(d_model, d_expert, full.n_experts, full.top_k, full.capacity_factor, full.router,
-                         full.shared is not None)
-        self.load_state_dict(full.state_dict())
+        super().__init__(full)
+        d_expert = full.w_in.shape[2]
         part = slice(rank * d_expert // world_size, (rank + 1) * d_expert // world_size)
         self.w_in = nn.Parameter(full.w_in[:, :, part].detach().clone())  # [E, d, h/N]: column-parallel
         self.b_in = nn.Parameter(full.b_in[:, part].detach().clone())
@@ -162,5 +168,3 @@ def split_batch(batch, rank, world_size):
     per = batch.shape[0] // world_size
     return batch[rank * per:(rank + 1) * per]
 
-
-__all__ = ["GPTlite_MoE", "check_ep_size", "parallel_moe_model", "split_batch"]

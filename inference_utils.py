@@ -27,10 +27,11 @@ def preset_recipe(preset, iters=None, seed=0):
                 seed=seed)
 
 
-def train_recipe(model, data, recipe, desc):
-    """Train `model` with a recipe of preset_recipe's form; returns train_steps' validation history."""
+def train_recipe(model, data, recipe, desc, **train_kwargs):
+    """Train `model` with a recipe of preset_recipe's form (train_kwargs: train_steps' own, e.g. loss_fn);
+    returns train_steps' validation history."""
     return train_steps(model, data, recipe["iters"], recipe["batch_size"], recipe["seqlen"], recipe["lr"],
-                       seed=recipe["seed"], desc=desc)
+                       seed=recipe["seed"], desc=desc, **train_kwargs)
 
 
 def cached_model(model, config, path, train, vocab, rebuild, stamp=None, untrained=False, retrains=False):

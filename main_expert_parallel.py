@@ -78,8 +78,7 @@ def checks(single, splits, d, window, prompts, n_tokens, seqlen):
             single(window)
         single_dropped = sum(layer.routing.dropped for layer in single.moe_layers())
         for mode, (model, rows) in splits.items():
-            for layer in model.moe_layers():
-                layer.capacity_factor = factor
+            model.set_capacity_factor(factor)
             diff, dropped, same = compare(single, model, rows, window, prompts, n_tokens, seqlen)
             figures = torch.tensor([diff, 0.0 if same else 1.0, dropped if mode == "expert" or d.rank == 0 else 0])
             dist.all_reduce(figures[:2], op=dist.ReduceOp.MAX)
@@ -89,10 +88,8 @@ def checks(single, splits, d, window, prompts, n_tokens, seqlen):
                     f"identical: {'yes' if figures[1] == 0 else 'NO'}, dropped {int(figures[2])} of the "
                     f"single process's {single_dropped}")
             results[name] = figures[0] <= ATOL and figures[1] == 0 and int(figures[2]) == single_dropped
-    single.set_capacity_factor(None)
-    for model, _ in splits.values():
-        for layer in model.moe_layers():
-            layer.capacity_factor = None
+    for model in [single] + [model for model, _ in splits.values()]:
+        model.set_capacity_factor(None)
     return results
 
 

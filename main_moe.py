@@ -58,9 +58,8 @@ def train_models(configs, data, recipe, aux_weight, bias_rate, device, untrained
     models, seconds = {}, {}
     for name, (cls, config, checkpoint) in configs.items():
         balanced = name == "moe, balanced"
-        loss_fn = (moe_loss_fn(aux_weight if config.get("router") == "softmax" else 0.0,
-                               bias_rate if config.get("router") == "sigmoid" else 0.0) if balanced
-                   else moe_loss_fn(0.0) if cls is GPTlite_MoE else training.cross_entropy_loss)
+        loss_fn = training.cross_entropy_loss if cls is not GPTlite_MoE else balancing_loss(
+            config["router"], aux_weight if balanced else 0.0, bias_rate if balanced else 0.0)
         stamp = dict(recipe, aux_weight=aux_weight, bias_rate=bias_rate) if balanced else recipe
         torch.manual_seed(recipe["seed"])
         models[name], seconds[name] = iu.cached_model(
@@ -69,10 +68,14 @@ def train_models(configs, data, recipe, aux_weight, bias_rate, device, untrained
     return models, seconds
 
 
+def balancing_loss(router, aux_weight, bias_rate):
+    """The MoE's training loss: softmax balances with Switch's auxiliary loss, sigmoid with the selection bias."""
+    return moe_loss_fn(aux_weight, 0.0) if router == "softmax" else moe_loss_fn(0.0, bias_rate)
+
+
 def trainer(data, recipe, loss_fn, desc):
     """cached_model's train(model): the recipe's AdamW steps with `loss_fn`."""
-    return lambda model: training.train_steps(model, data, recipe["iters"], recipe["batch_size"], recipe["seqlen"],
-                                              recipe["lr"], seed=recipe["seed"], loss_fn=loss_fn, desc=desc)
+    return lambda model: iu.train_recipe(model, data, recipe, desc, loss_fn=loss_fn)
 
 
 def active_params(model):

@@ -78,7 +78,7 @@ def measure(variants, stages, groups, rank, n_tokens, device, repeats):
     return {name: runs[1:] for name, runs in samples.items()}
 
 
-def make_rows(variants, samples, stages, n_tokens, seqlen):
+def make_rows(variants, samples, stages, n_tokens):
     """Rank 0's rows from every rank's samples ({rank: {name: [(timeline, bytes)]}})."""
     rows = []
     for name, (P, m, prompts, threads) in variants.items():
@@ -201,7 +201,7 @@ def experiment(args, preset, d, data):
     dist.all_gather_object(gathered, samples)
     if d.rank != 0:
         return
-    rows = make_rows(variants, dict(enumerate(gathered)), stages, args.n_tokens, preset.seqlen)
+    rows = make_rows(variants, dict(enumerate(gathered)), stages, args.n_tokens)
     print(f"\n{N} rank(s), backend {d.backend}; {args.batch_size} prompts of {args.prompt_len}, {args.n_tokens} greedy "
           f"tokens each with the KV cache; medians of {args.repeats} rounds")
     summary = list(results) + [

@@ -82,31 +82,35 @@ def kivi_loss(model, data, bits, block, n_batches):
     losses = []
     for _ in range(n_batches):
         x, y = corpus.get_batch(data.val, 32, model.seqlen, generator, device)
-        cache = qz.KIVICache(model.config.n_layers, bits, block, model.seqlen)
+        cache = new_cache(model, bits, block)
         logits = torch.cat([model(chunk, cache)[0] for chunk in x.split(block, dim=1)], dim=1)
         losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
     return sum(losses) / len(losses)
+
+
+def kivi_names(kv_bits):
+    """{row name: KIVI's bits}."""
+    return {f"KIVI {bits}-bit KV cache": bits for bits in kv_bits}
+
+
+def new_cache(model, bits, block):
+    """None (the float32 dynamic cache) or a KIVI cache of `bits` for `model`."""
+    return None if bits is None else qz.KIVICache(model.config.n_layers, bits, block, model.seqlen)
 
 
 def generators(models, kv_bits, block):
     """{name: fn(prompts, n) -> tokens}: greedy decoding with the KV cache; KIVI rows with their cache."""
     fns = {name: (lambda p, n, m=m: generate_kvcache(m, p, n, m.seqlen)) for name, m in models.items()}
     base = models["float32"]
-    for bits in kv_bits:
-        fns[f"KIVI {bits}-bit KV cache"] = lambda p, n, b=bits: generate_kvcache(
-            base, p, n, base.seqlen, qz.KIVICache(base.config.n_layers, b, block, base.seqlen))
+    for name, bits in kivi_names(kv_bits).items():
+        fns[name] = lambda p, n, b=bits: generate_kvcache(base, p, n, base.seqlen, new_cache(base, b, block))
     return fns
 
 
-def kv_bytes_per_token(fn_name, models, kv_bits, block, prompts):
-    """Bytes the cache holds per token after a prompt of the window (KIVI: its packed blocks and residual)."""
-    base = models["float32"]
-    cache = None
-    for bits in kv_bits:
-        if fn_name == f"KIVI {bits}-bit KV cache":
-            cache = qz.KIVICache(base.config.n_layers, bits, block, base.seqlen)
+def kv_bytes_per_token(model, bits, block, prompts):
+    """Bytes the cache holds per token after `prompts` (KIVI: its packed blocks, scales and residual)."""
     with torch.inference_mode():
-        _, held = base(prompts, cache)
+        _, held = model(prompts, new_cache(model, bits, block))
     return iu.kv_cache_bytes(held) / prompts.numel()
 
 
@@ -236,19 +240,21 @@ def measure(models, plain, diffs, data, args, preset, device):
     n_float = iu.n_params(models["float32"])
     base_loss = training.validation_loss(models["float32"], data, args.val_batches)
     window = corpus.sample_prompts(data, 1, preset.seqlen, seed=args.seed, device=device)
+    kivi = kivi_names(args.kv_bits)
     rows = []
     for name in fns:
         model = models.get(name, models["float32"])
-        kivi = name.startswith("KIVI")
-        loss = (kivi_loss(model, data, int(name.split()[1].split("-")[0]), args.kv_block, args.val_batches) if kivi
+        bits = kivi.get(name)
+        loss = (kivi_loss(model, data, bits, args.kv_block, args.val_batches) if bits
                 else base_loss if name == "float32" else training.validation_loss(plain.get(name, model), data,
                                                                                   args.val_batches))
+        size = qz.serialized_bytes(model)
         rows.append(harness.make_row(
-            name, bits_per_weight=round(8 * qz.serialized_bytes(model) / n_float, 2),
-            size_mb=round(qz.serialized_bytes(model) / 2**20, 3), val_loss=loss, loss_change=round(loss - base_loss, 4),
+            name, bits_per_weight=round(8 * size / n_float, 2), size_mb=round(size / 2**20, 3), val_loss=loss,
+            loss_change=round(loss - base_loss, 4),
             token_agreement=round((tokens[name] == tokens["float32"]).float().mean().item(), 3),
             tpot_b1_ms=timing[1][name]["tpot_ms"], tpot_b8_ms=timing[8][name]["tpot_ms"],
-            kv_bytes_per_token=round(kv_bytes_per_token(name, models, args.kv_bits, args.kv_block, window), 1),
+            kv_bytes_per_token=round(kv_bytes_per_token(model, bits, args.kv_block, window), 1),
             kernel_eq_dequant="-" if name not in diffs else "yes" if diffs[name] <= ATOL else "NO"))
     return rows
 
