@@ -53,8 +53,9 @@ def parse_args(argv):
     def check_args(preset):
         if len(set(args.batch_sizes)) != len(args.batch_sizes):
             parser.error(f"--batch-sizes repeats a value: {args.batch_sizes}")
+        # the default's folder (checkpoints/) is created with the file; a named path must have one
         out = Path(args.offload_file or default_offload_file(preset))
-        if out.is_dir() or not out.resolve().parent.is_dir():
+        if out.is_dir() or (args.offload_file and not out.resolve().parent.is_dir()):
             parser.error(f"--offload-file {out}: give a file path in a folder that exists")
         batch = max(args.batch_sizes)  # three models' caches and activations at the largest batch
         harness.check_fits(parser, "--batch-sizes", 3 * serving.forward_bytes(preset, batch),

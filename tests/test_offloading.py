@@ -215,8 +215,10 @@ def test_a_damaged_or_foreign_offload_file_stops_the_script_before_decoding(real
 
 
 def test_the_default_file_is_written_once_and_again_for_other_weights(real_data, tmp_path, monkeypatch, capsys):
-    path = tmp_path / "cpu_offload.safetensors"
+    path = tmp_path / "checkpoints" / "cpu_offload.safetensors"  # a clean clone has no checkpoints/ yet
     monkeypatch.setattr(main_offloading, "default_offload_file", lambda preset: path)
+    main_offloading.main(QUICK + ["--batch-sizes", "1"])
+    assert f"no offload file at {path}: writing" in capsys.readouterr().out and path.is_file()
     offload.write_offload_file(other_cpu_model(), path)
     main_offloading.main(QUICK + ["--batch-sizes", "1"])
     assert "holds other weights than the loaded model's: writing it again" in capsys.readouterr().out
