@@ -3,7 +3,7 @@
     python gptlite.py --preset cpu              # train checkpoints/cpu.pt and print a sample
     python gptlite.py --preset gptlite --iters 5000
 
-Blog section: "GPTlite, the model we optimize". A decoder-only transformer with learned token and
+Blog section: "Background: how a GPT generates text, and where the time goes". A decoder-only transformer with learned token and
 position embeddings, pre-LayerNorm blocks of multi-head attention and a ReLU MLP, and a linear head.
 Every other model of this repository (KV cache, GQA, MLA, pruned, distilled) loads this model's
 state dict where the architecture matches, so the attribute names below are part of the interface.

@@ -1,6 +1,6 @@
 """GPTlite with grouped-query attention (GQA): the heads share their keys and values in groups.
 
-Blog section: "Grouped-query and multi-query attention". The n_heads query heads are split into
+Blog section: "Smaller KV caches: MQA, GQA and MLA". The n_heads query heads are split into
 n_groups groups of consecutive heads (head h is in group h // (n_heads // n_groups)); each group has
 one key head and one value head. n_groups == n_heads is multi-head attention (MHA), n_groups == 1 is
 multi-query attention (MQA). The KV cache stores the groups' keys and values only: n_groups / n_heads

@@ -1,6 +1,6 @@
 """LoRA adapters for GPTlite: train with peft, serve with the repository's own code.
 
-Blog section: beyond the post, "Multi-LoRA serving" (S-LoRA, Punica). A LoRA adapter adds a low-rank
+Blog section: "Other serving techniques" (multi-LoRA serving: S-LoRA, Punica). A LoRA adapter adds a low-rank
 update to some linear layers: W x + s * B A x, with A: [r, in], B: [out, r], s = alpha / r. Two ways to
 serve a batch whose requests use different adapters:
 - merged: one copy of the model per adapter with W + s B A folded in (`merge_adapter`); the requests

@@ -1,6 +1,6 @@
 """GPTlite split across N processes by Megatron-style tensor parallelism (Shoeybi et al., 2019).
 
-Blog section: "Tensor parallelism". Every rank holds a shard of each block, cut from the same trained
+Blog section: "Scaling out: parallelism and offloading". Every rank holds a shard of each block, cut from the same trained
 state dict (shard_state_dict):
 - column-parallel: the query, key and value projections split by heads, and the MLP's first layer
   split by neurons (rows of the weight, entries of the bias); each rank computes its heads' attention

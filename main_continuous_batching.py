@@ -5,7 +5,7 @@
     python main_continuous_batching.py --untrained --n-requests 8
     python main_continuous_batching.py --prefix-sharing    # a shared system prompt, multi-turn: sharing off / on
 
-Blog section: "Batching / continuous batching" and beyond the post. `continuous_batching` is the post's:
+Blog section: "Continuous batching" and beyond the post. `continuous_batching` is the post's:
 a request leaves its slot as soon as it is done and a waiting one takes it; the padded batch (no
 cache, `next_tokens`) is rebuilt every step. paged_engine.py is what serving engines do: a paged KV
 cache (blocks on demand, attention through block tables), chunked prefill mixed with decodes

@@ -9,7 +9,7 @@ the colocated paged engine, on one Poisson trace with long prompts.
 Across machines (rank 0, the prefill worker, on the first): on each machine
     torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 main_disaggregation.py
 
-Blog section: "Scaling out / disaggregated prefill and decode" (beyond the post; DistServe, Splitwise).
+Blog section: "Prefill-decode disaggregation" (beyond the post; DistServe, Splitwise).
 In the colocated engine (paged_engine.py) a step that prefills a long prompt also carries every running
 request's decode token, so the decodes wait for the prefill: TPOT's tail is made of prefills. Chunked
 prefill (Sarathi-Serve) bounds that wait; disaggregation removes it: rank 0 only prefills, rank 1

@@ -5,7 +5,7 @@ whose partial outputs are combined with the online-softmax rescaling.
     python main_flash_decoding.py --contexts 1024 8192 65536 --splits 1 8 64 --json fd.json --plot fd.png
     python main_flash_decoding.py --untrained --contexts 256 1024 --splits 1 4 --repeats 1   # a quick smoke run
 
-Blog section: "FlashAttention" (the summary table's FlashDecoding row). At decode time there is one
+Blog section: "FlashDecoding". At decode time there is one
 query per sequence and head, so FlashAttention has B * H units of work (thread blocks) to spread over the
 GPU: at batch 1 with 6 heads, 6 of an H100's 132 SMs work and the rest idle while the cache streams in.
 FlashDecoding also splits the cache along its length: B * H * n_splits units, each reducing its chunk to a

@@ -4,7 +4,7 @@
     python main_gqa.py --uptrain-steps 100 --batch-size 128 --json gqa.json --plot gqa.png
     python main_gqa.py --untrained --uptrain-steps 2        # random weights, a quick smoke run
 
-Blog section: "Grouped-query and multi-query attention". For every group count that divides the
+Blog section: "Smaller KV caches: MQA, GQA and MLA". For every group count that divides the
 number of heads (n_heads groups: MHA, 1 group: MQA, GQA in between) the script converts the trained
 multi-head checkpoint by mean pooling the key and value heads of each group, measures the validation
 loss, uptrains the converted model with the same short budget (about 5% of the checkpoint's training

@@ -4,7 +4,7 @@
     python main_mla.py --latents 16 32 64 128 --json mla.json --plot mla.png
     python main_mla.py --untrained --uptrain-steps 1        # random weights, a quick smoke run
 
-Blog section: "Multi-head latent attention". Every block's [W_k; W_v] is factored by a truncated SVD
+Blog section: "Smaller KV caches: MQA, GQA and MLA". Every block's [W_k; W_v] is factored by a truncated SVD
 into a down-projection to a latent of d_latent values per token (the only thing cached) and the two
 up-projections. For each latent size of the sweep the script measures the cache, the decoding speed
 with absorbed projections (attention over the latents) and with recomputed keys and values, and the

@@ -4,7 +4,7 @@
     python main_multi_lora.py --rank 16 --targets query_proj value_proj --json lora.json --plot lora.png
     python main_multi_lora.py --untrained --lora-steps 2 --n-tokens 8 --repeats 1   # a quick smoke run
 
-Blog section: beyond the post, "Multi-LoRA serving" (S-LoRA, Punica). One LoRA adapter per speaker
+Blog section: "Other serving techniques" (multi-LoRA serving: S-LoRA, Punica). One LoRA adapter per speaker
 (--speakers; rank and target modules as flags, the attention projections by default) is fine-tuned
 with peft on the first 80% of that speaker's turns in tiny Shakespeare's validation split, text the base
 model never trained on, and saved as checkpoints/<preset>_lora_<speaker>_r<rank>_<targets>.pt (later

@@ -4,7 +4,7 @@
     python main_sage_attention.py --bench-len 4096 --json sage.json --plot sage.png
     python main_sage_attention.py --untrained --val-batches 2 --n-tokens 8 --bench-len 256 --repeats 1  # smoke run
 
-Blog section: "FlashAttention" (the summary table's SageAttention row). The scores Q K^T are computed as an
+Blog section: "Quantized attention: SageAttention". The scores Q K^T are computed as an
 INT8 matrix product with INT32 accumulation (torch._int_mm), each block of block_q queries and of block_k
 keys with its own scale max|x| / 127. K has a large offset per channel, shared by all tokens, that would
 eat the INT8 range; subtracting K's mean over the tokens removes it without changing the softmax (every

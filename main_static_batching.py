@@ -4,7 +4,7 @@
     python main_static_batching.py --batch-sizes 1 4 8 16 --json static.json
     python main_static_batching.py --untrained --n-requests 8
 
-Blog section: "Batching / static batching". `next_tokens` runs one forward pass without a cache over
+Blog section: "Static batching". `next_tokens` runs one forward pass without a cache over
 a right-padded batch of sequences of different lengths; each sequence reads the logits at its own
 last position (the causal mask keeps the padding after it invisible). `static_batching` takes the
 requests batch_size at a time in order; a request that finishes early keeps its slot (it is still

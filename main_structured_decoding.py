@@ -4,7 +4,7 @@
     python main_structured_decoding.py --speakers PETRUCHIO KATHARINA --json sd.json --plot sd.png
     python main_structured_decoding.py --untrained --n-outputs 2 --repeats 1   # a quick smoke run
 
-Blog section: "Structured decoding". At every step the grammar engine (XGrammar, given GPTlite's 65
+Blog section: "Other serving techniques". At every step the grammar engine (XGrammar, given GPTlite's 65
 characters as its token list) says which characters may come next; the others' logits become -inf
 before the argmax. Jump-forward (SGLang): when the grammar leaves exactly one way on, append that whole
 string without asking the model, then feed it in one forward pass. With one token per character, the

@@ -8,7 +8,7 @@
 Across machines, torchrun's rendezvous flags (--nnodes, --node-rank, --rdzv-backend c10d,
 --rdzv-endpoint): see docs/distributed.md.
 
-Blog section: "Tensor parallelism". Every rank cuts its shard from the same trained checkpoint
+Blog section: "Scaling out: parallelism and offloading". Every rank cuts its shard from the same trained checkpoint
 (gptlite_tp.shard_state_dict): the query, key and value projections split by heads and the MLP's first
 layer by neurons (column-parallel), the attention's output projection and the MLP's second layer split
 the other way (row-parallel), two all-reduces per block; embeddings, LayerNorms and the head replicated.

@@ -1,7 +1,7 @@
 """Disaggregated serving: prefill on one worker, decode on another, the KV cache handed over with
 torch.distributed point-to-point calls (DistServe, Splitwise).
 
-Blog section: "Scaling out / disaggregated prefill and decode". Two ranks of one process group:
+Blog section: "Prefill-decode disaggregation". Two ranks of one process group:
 - the prefill worker (rank 0) runs the paged engine's Scheduler and ModelRunner on whole prompts
   only: every request is a Sequence of one token (its first); after the step that computes a prompt,
   its keys and values are gathered out of the pool through its block table, [2, L, P, H, D], and sent

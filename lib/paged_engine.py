@@ -1,6 +1,6 @@
 """A small serving engine in nano-vllm's shape: a paged KV cache, chunked prefill, preemption.
 
-Blog section: "Batching / beyond the post: what serving engines do". Four small classes:
+Blog section: "PagedAttention: memory management for the KV cache". Four small classes:
 - `BlockManager`: a pool of fixed-size physical KV blocks and a block table per sequence; blocks are
   allocated on demand as a sequence grows and freed when it finishes (vLLM's PagedAttention paper).
   Prefix sharing (on by default; vLLM's automatic prefix caching): every full block whose keys and

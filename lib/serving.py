@@ -1,7 +1,7 @@
 """What every batching scheduler of this repository shares: request checks, a request trace, the
 serving clock, and the per-request latency figures (TTFT and TPOT from arrival, p50 and p99).
 
-Blog section: "Batching". A request is `(prompt, n_tokens)`: a 1-D LongTensor of token ids and the
+Blog section: "Batching and scheduling". A request is `(prompt, n_tokens)`: a 1-D LongTensor of token ids and the
 number of new tokens to generate greedily. A trace adds an arrival time (seconds) to each request.
 
 The serving clock. Arrivals are simulated against the engine's own clock, without sleeping: the
