@@ -28,7 +28,7 @@ import inference_utils as iu
 from gptlite import MultiHeadAttention
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generate_kvcache
 from lib import attention_benchmark as ab
-from lib import corpus, harness, training
+from lib import attention_summary, corpus, harness, training
 
 ATOL = 1e-4  # float32 logits of a trained model (units to tens), summed in another order by the fused kernels
 FLEX_ATOL = 1e-5  # float32 attention outputs on random unit inputs
@@ -205,6 +205,17 @@ def headline(rows, bench):
                        f"{on_model[1]} ms, the same tokens")
 
 
+def attention_methods(rows, bench):
+    """The summary of attention methods' row (lib/attention_summary.py): SDPA against naive attention."""
+    naive, sdpa = bench["naive"], bench["SDPA"]
+    diff = next(r["max_logit_diff"] for r in rows if r["variant"] == "SDPA (default dispatch)")
+    return [attention_summary.method_row(
+        "FlashAttention (SDPA)", True, f"max |logit diff| {diff} (float32 sums in another order)", 0, "none",
+        "attention memory and time", f"peak {times(naive['peak_mb'][-1], sdpa['peak_mb'][-1], '{:.0f}x')} and time "
+        f"{times(naive['ms'][-1], sdpa['ms'][-1])} below naive's at {naive['context'][-1]:,} tokens",
+        attention_summary.pays_from(naive["context"], sdpa["ms"], naive["ms"]))]
+
+
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
@@ -270,6 +281,7 @@ def main(argv=None):
                flex_line, bench_line]
     title = f"attention, {H} heads of {D}, batch {args.bench_batch} ({device})"
     harness.report(args, "main_flash_attention.py", preset, device, rows, headline(rows, bench), summary=summary,
+                   attention_methods=attention_methods(rows, bench),
                    tables=[long_context_table(bench)], plot=lambda: ab.plot(bench, title),
                    prompt_len=args.prompt_len, n_tokens=args.n_tokens, batch_size=args.batch_size, long_context=bench,
                    bench_batch=args.bench_batch, window=args.window, flex_max_diff=flex_diff, flex_note=flex_note,

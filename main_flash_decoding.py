@@ -28,7 +28,7 @@ from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generat
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as reference_attention
 from gptlite_kvcache import swap_attention
 from lib import attention_benchmark as ab
-from lib import corpus, harness
+from lib import attention_summary, corpus, harness
 
 ATOL = 1e-5  # float32 attention outputs on random unit inputs
 LOGITS_ATOL = 1e-4  # float32 logits of a trained model (units to tens)
@@ -212,6 +212,17 @@ def headline(rows, diff, last, bench_batch, device):
                 "for every n_splits")
 
 
+def attention_methods(bench, contexts, diff):
+    """The summary of attention methods' row (lib/attention_summary.py): the best split count against SDPA."""
+    flash = {name: ms for name, ms in bench.items() if name.startswith("flash")}
+    best = min(flash, key=lambda name: flash[name][-1])
+    return [attention_summary.method_row(
+        "FlashDecoding (split-KV)", True, f"max |diff| {diff:.0e} on random inputs", 0, "none",
+        "idle compute units at small batch (a GPU effect)",
+        f"{best}: {bench['SDPA'][-1] / flash[best][-1]:.2f}x SDPA's speed at {contexts[-1]:,} tokens",
+        attention_summary.pays_from(contexts, flash[best], bench["SDPA"]))]
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     H, D = preset.n_heads, preset.d_head
@@ -240,6 +251,7 @@ def main(argv=None):
     title = f"decode attention, batch {args.bench_batch}, {H} heads of {D} ({device.type})"
     harness.report(args, "main_flash_decoding.py", preset, device, rows,
                    headline(rows, diff, last, args.bench_batch, device), summary=summary,
+                   attention_methods=attention_methods(bench, args.contexts, diff),
                    plot=lambda: plot(bench, args.contexts, args.splits, title), contexts=args.contexts,
                    splits=args.splits, bench_batch=args.bench_batch, max_diff=diff, threads=torch.get_num_threads(),
                    checks=checks)

@@ -25,7 +25,7 @@ from gptlite import GPTlite, generate
 from gptlite_gqa import convert_mha_to_gqa  # noqa: F401 (the post's listing: main_gqa.convert_mha_to_gqa)
 from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
-from lib import corpus, files, harness, training
+from lib import attention_summary, corpus, files, harness, training
 
 
 @torch.inference_mode()
@@ -117,6 +117,17 @@ def headline(rows, steps):
                        f"{listed('loss_vs_mha', others, '{:+.4f}')}")
 
 
+def attention_methods(rows, steps, seqlen):
+    """The summary of attention methods' rows (lib/attention_summary.py): each grouped variant against MHA."""
+    mha = rows[0]
+    return [attention_summary.method_row(
+        r["variant"], False, f"val loss {r['loss_vs_mha']:+.4f} after uptraining ({r['loss_converted'] - mha['loss_converted']:+.4f} "
+        "converted)", steps, f"{steps} uptraining steps after conversion", "KV cache",
+        f"{1 / r['kv_vs_mha']:.0f}x smaller; TPOT at batch {r['batch_size']} {r['tpot_ms']:.2f} ms against MHA's "
+        f"{mha['tpot_ms']:.2f}", f"any context (the cache shrinks at every length; measured at {seqlen} tokens)")
+        for r in rows[1:]]
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
@@ -148,6 +159,7 @@ def main(argv=None):
                                  converted_from="mha", uptrain_steps=steps, val_loss=row["val_loss"],
                                  untrained=args.untrained)
     harness.report(args, "main_gqa.py", preset, device, rows, headline(rows, steps), summary=summary,
+                   attention_methods=attention_methods(rows, steps, preset.seqlen),
                    plot=lambda: plot_results(rows, preset, device), uptrain_steps=steps, lr=lr, checks=checks,
                    saved=args.save)
 

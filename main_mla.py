@@ -26,7 +26,7 @@ from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
 from gptlite_mla import (MultiHeadAttention_MLA,  # noqa: F401 (the post's listings, importable here)
                          convert_mha_to_mla, max_latent, mla_from_mha)
-from lib import corpus, harness, training
+from lib import attention_summary, corpus, harness, training
 from main_gqa import check_sizes  # the same models, windows and generation
 
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion against the multi-head model (SVD in float64)
@@ -170,6 +170,17 @@ GQA_COLUMNS = [("variant", "variant", "{}"), ("cache_per_token", "cache_per_toke
                ("val_loss", "val loss", "{:.4f}")]
 
 
+def attention_methods(rows, steps, full, seqlen):
+    """The summary of attention methods' rows (lib/attention_summary.py): MLA absorbed, below full rank."""
+    mha = rows[0]
+    return [attention_summary.method_row(
+        f"MLA (latent {r['d_latent']})", False, f"val loss {r['loss_vs_mha']:+.4f} after uptraining", steps,
+        f"SVD conversion, {steps} uptraining steps", "KV cache",
+        f"{1 / r['kv_vs_mha']:.0f}x smaller; TPOT at batch {r['batch_size']} {r['tpot_ms']:.2f} ms against MHA's "
+        f"{mha['tpot_ms']:.2f} (absorbed)", f"any context (the cache shrinks at every length; measured at {seqlen} tokens)")
+        for r in rows if r["absorb"] == "yes" and r["d_latent"] < full]
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
@@ -193,6 +204,7 @@ def main(argv=None):
     summary += [f"check {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
     tables = [harness.table("The plot's GQA and MQA points (same run, same uptraining):", gqa, GQA_COLUMNS)]
     harness.report(args, "main_mla.py", preset, device, rows, headline(rows, gqa, steps), summary=summary,
+                   attention_methods=attention_methods(rows, steps, full, preset.seqlen),
                    tables=tables, plot=lambda: plot_loss_against_cache(rows, gqa, preset, device),
                    uptrain_steps=steps, lr=lr, full_rank=full, checks=checks, gqa_points=gqa)
 

@@ -30,7 +30,7 @@ from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, generat
 from gptlite_kvcache import scaled_dot_product_attention_kv_cache as exact_attention
 from gptlite_kvcache import swap_attention
 from lib import attention_benchmark as ab
-from lib import corpus, harness, training
+from lib import attention_summary, corpus, harness, training
 
 ATOL = 1e-5  # float32 attention outputs: the smoothing invariance
 
@@ -287,6 +287,22 @@ def headline(rows):
                        f"{'-' if smaller is None else f'{smaller:.1f}x'} smaller than float32's")
 
 
+def attention_methods(rows, ms, bench_len):
+    """The summary of attention methods' rows (lib/attention_summary.py): INT8 and INT4 against float32."""
+    row = {r["variant"]: r for r in rows}
+    exact = row["exact (float32)"]
+    pays = (f"INT8 Q K^T {ms['float32'] / ms['int8']:.1f}x faster at {bench_len:,} tokens" if ms["int8"] < ms["float32"]
+            else f"not on this CPU: INT8 Q K^T {ms['int8']:.3g} ms against float32's {ms['float32']:.3g} ms at "
+                 f"{bench_len:,} tokens (GPU INT8 tensor cores are where it pays)")
+    return [attention_summary.method_row(
+        name, False, f"relative L1 {r['rel_l1_model']} on the model's Q, K, V; val loss "
+        f"{r['val_loss'] - exact['val_loss']:+.4f}", 0, "none", "Q and K bytes (and on a GPU the Q K^T time)",
+        f"{exact['qk_bytes'] / r['qk_bytes']:.1f}x fewer", pays)
+        for name, r in ((label, row[variant]) for label, variant in (
+            ("SageAttention (INT8 Q, K)", "INT8 + smooth K (SageAttention)"),
+            ("SageAttention2-style (INT4 Q, K)", "INT4 + smooth Q, K (SageAttention2-style)")))]
+
+
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
@@ -344,6 +360,7 @@ def main(argv=None):
                f"{ms['exact (float32)']:.1f} ms exact (eager: quantizing is extra passes over Q and K)"]
     title = f"SageAttention variants ({preset.name}, {device.type})"
     harness.report(args, "main_sage_attention.py", preset, device, rows, headline(rows), summary=summary,
+                   attention_methods=attention_methods(rows, ms, args.bench_len),
                    plot=lambda: plot(rows, title), smooth_diff=smooth_diff, k_offset=k_offset,
                    int8_qk_ms=ms["int8"], float32_qk_ms=ms["float32"], bench_len=args.bench_len, pv_dtype=pv,
                    checks=checks)

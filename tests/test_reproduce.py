@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import reproduce
+from lib import attention_summary
 from reproduce import ReproduceError, Run
 
 COLUMNS = [["variant", "variant", "{}"], ["ttft_ms", "TTFT ms", "{:.2f}"], ["steps", "steps", "{}"],
@@ -68,6 +69,9 @@ json.dump({"script": "ok.py", "preset": "cpu", "device": args.get("--device", "c
            "columns": [["variant", "variant", "{}"], ["ms", "TPOT ms", "{:.1f}"]],
            "rows": [{"variant": "fast", "ms": 1.26}, {"variant": "slow", "ms": None}],
            "summary": ["fast / slow: -"], "headline": {"technique": "ok technique", "figure": "TPOT 1.26 ms"},
+           "attention_methods": [{"method": "fast attention", "exact": True, "difference": "max |diff| 1e-06",
+                                  "training_steps": 0, "training": "none", "reduces": "memory",
+                                  "reduction": "9x less at 8k", "pays": "from 512 tokens"}],
            "tables": [{"title": "An extra table:", "columns": [["x", "x", "{:.2f}"]], "rows": [{"x": 0.5}]}]},
           open(args["--json"], "w"))
 """
@@ -85,6 +89,14 @@ old summary
 <!-- reproduce:checkpoints:table -->
 old checkpoints
 <!-- /reproduce:checkpoints:table -->
+<!-- reproduce:attention_summary:table -->
+old short attention summary
+<!-- /reproduce:attention_summary:table -->
+"""
+ATTENTION_PAGE = """## Summary
+<!-- reproduce:attention_summary:table -->
+old attention summary
+<!-- /reproduce:attention_summary:table -->
 """
 DOCS = """## Ok
 <!-- reproduce:ok:table -->
@@ -109,6 +121,7 @@ def fake_repo(tmp_path, monkeypatch):
     (tmp_path / "bad.py").write_text(FAIL_SCRIPT)
     (tmp_path / "README.md").write_text(README)
     (tmp_path / "docs" / "page.md").write_text(DOCS)
+    (tmp_path / "docs" / "attention_summary.md").write_text(ATTENTION_PAGE)
     runs = [Run("ok", "ok.py", "docs/page.md", "ok", "ok plot"),
             Run("bad", "bad.py", "docs/page.md", "bad", "bad plot")]
     monkeypatch.setattr(reproduce, "ROOT", tmp_path)
@@ -152,6 +165,34 @@ def test_every_run_succeeds_then_the_one_glance_table_is_rendered(fake_repo):
     reproduce.main(["--skip-run", "--only", "ok.py"])  # re-render from the saved JSON, run nothing
     page = (fake_repo / "docs" / "page.md").read_text()
     assert "| fast | 7.8 |" in page and "TPOT 7.77 ms" in (fake_repo / "README.md").read_text()
+
+
+def test_the_summary_of_attention_methods_is_rendered_from_the_rows_of_the_runs_that_succeeded(fake_repo):
+    with pytest.raises(SystemExit):  # bad.py fails: the summary has ok.py's rows only
+        reproduce.main([])
+    full = (fake_repo / "docs" / "attention_summary.md").read_text()
+    assert "old attention summary" not in full and "from the last runs of `ok.py`" in full
+    assert "| fast attention | yes, max \\|diff\\| 1e-06 | none | memory: 9x less at 8k | from 512 tokens | `ok.py` |" in full
+    readme = (fake_repo / "README.md").read_text()
+    assert "| fast attention | yes | no | memory | `ok.py` |" in readme and "old short attention summary" not in readme
+    (fake_repo / "results" / "ok.json").write_text(
+        (fake_repo / "results" / "ok.json").read_text().replace('"training_steps": 0', '"training_steps": 40'))
+    reproduce.main(["--skip-run", "--only", "ok.py"])
+    assert "| fast attention | yes | yes (40 steps) | memory | `ok.py` |" in (fake_repo / "README.md").read_text()
+
+
+@pytest.mark.parametrize("bad", [dict(exact="yes"), dict(training_steps=-1), dict(pays="")])
+def test_a_bad_attention_row_is_an_error_when_the_script_builds_it(bad):
+    good = dict(method="m", exact=True, difference="d", training_steps=0, training="none", reduces="r",
+                reduction="x", pays="p")
+    assert attention_summary.method_row(**good)["exact"] is True
+    with pytest.raises(ValueError, match="m: "):
+        attention_summary.method_row(**(good | bad))
+
+
+def test_pays_from_names_the_context_from_which_the_method_stays_faster():
+    assert attention_summary.pays_from([1, 2, 4, 8], [5, 3, 1, 1], [2, 2, 2, 4]) == "from 4 tokens (4.0x less time at 8)"
+    assert attention_summary.pays_from([1, 2], [1, 3], [2, 2]).startswith("not up to 2 tokens here")
 
 
 def save_tiny_checkpoint(path, seed):
