@@ -108,20 +108,13 @@ def timed_decode(model, prompts, n_tokens, seqlen, device):
 
 
 def measure(variants, rank, batches, n_tokens, seqlen, device, repeats):
-    """Round-robin over {name: (model, ranks, threads, rows)} (iu.time_round_robin, a warm-up round first): each
-    variant's decode at every batch; ranks not in a variant wait in a barrier. {name: {batch: [samples]}}."""
-    samples = {name: {b: [] for b in batches} for name in variants}
-
-    def run(name, model, ranks, threads, rows):
-        dist.barrier()
-        if rank < ranks:
-            torch.set_num_threads(threads)
-            for b, prompts in batches.items():
-                samples[name][b].append(timed_decode(model, rows(prompts), n_tokens, seqlen, device))
-    iu.time_round_robin({name: functools.partial(run, name, *v) for name, v in variants.items()}, device, warmup=1,
-                        repeats=repeats)
-    dist.barrier()
-    return {name: {b: runs[1:] for b, runs in by_batch.items()} for name, by_batch in samples.items()}
+    """Round-robin over {name: (model, ranks, threads, rows)} (distributed.round_robin): each variant's decode
+    at every batch, on the ranks in the variant. {name: {batch: [samples]}}, the warm-up left out."""
+    def decode_all(model, rows):
+        return {b: timed_decode(model, rows(prompts), n_tokens, seqlen, device) for b, prompts in batches.items()}
+    runs = distributed.round_robin({name: (ranks, threads, functools.partial(decode_all, model, rows))
+                                    for name, (model, ranks, threads, rows) in variants.items()}, rank, device, repeats)
+    return {name: {b: [r[b] for r in rs] for b in batches} for name, rs in runs.items()}
 
 
 def make_rows(variants, samples):

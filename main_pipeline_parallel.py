@@ -63,19 +63,13 @@ def checks(model, stages, groups, rank, Ps, prompts, ms, n_tokens, device):
 
 
 def measure(variants, stages, groups, rank, n_tokens, device, repeats):
-    """Round-robin over {name: (P, m, prompts, threads)} (iu.time_round_robin, a warm-up round first); every
-    rank starts each variant together. {name: [this rank's (timeline, bytes) per repeat]}."""
-    samples = {name: [] for name in variants}
-
-    def one(name, P, m, prompts, threads):
-        dist.barrier()
-        torch.set_num_threads(threads)
+    """Round-robin over {name: (P, m, prompts, threads)} (distributed.round_robin), every rank in every variant
+    (a rank past the stages gets None). {name: [this rank's (timeline, bytes) per repeat]}."""
+    def one(P, m, prompts):
         out = run(stages, groups, rank, P, prompts, m, n_tokens, device)
-        samples[name].append(None if out is None else out[1:])
-    iu.time_round_robin({name: functools.partial(one, name, *v) for name, v in variants.items()}, device, warmup=1,
-                        repeats=repeats)
-    dist.barrier()
-    return {name: runs[1:] for name, runs in samples.items()}
+        return None if out is None else out[1:]
+    return distributed.round_robin({name: (dist.get_world_size(), threads, functools.partial(one, P, m, prompts))
+                                    for name, (P, m, prompts, threads) in variants.items()}, rank, device, repeats)
 
 
 def make_rows(variants, samples, stages, n_tokens):

@@ -81,20 +81,11 @@ def run_workloads(model, prompts, n_tokens, seqlen, device):
 
 
 def measure_variants(variants, rank, prompts, n_tokens, seqlen, device, repeats):
-    """Round-robin over {name: (model, ranks, threads)} (iu.time_round_robin: a warm-up round first): every
-    rank starts each variant together (the others wait in a barrier); a rank in the variant runs the
-    workloads, timed inside (run_workloads). Returns {name: [samples of this rank]}, the warm-up left out."""
-    samples = {name: [] for name in variants}
-
-    def run(name, model, ranks, threads):
-        dist.barrier()
-        if rank < ranks:
-            torch.set_num_threads(threads)
-            samples[name].append(run_workloads(model, prompts, n_tokens, seqlen, device))
-    iu.time_round_robin({name: functools.partial(run, name, *v) for name, v in variants.items()}, device, warmup=1,
-                        repeats=repeats)
-    dist.barrier()
-    return {name: runs[1:] for name, runs in samples.items()}
+    """Round-robin over {name: (model, ranks, threads)} (distributed.round_robin): a rank in the variant runs
+    the workloads, timed inside (run_workloads). Returns {name: [samples of this rank]}, the warm-up left out."""
+    return distributed.round_robin(
+        {name: (ranks, threads, functools.partial(run_workloads, model, prompts, n_tokens, seqlen, device))
+         for name, (model, ranks, threads) in variants.items()}, rank, device, repeats)
 
 
 def figures(samples):

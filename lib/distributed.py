@@ -43,6 +43,7 @@ Across machines, torchrun's rendezvous flags do the rest: see docs/distributed.m
 """
 import contextlib
 import datetime
+import functools
 import io
 import os
 import signal
@@ -56,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import inference_utils as iu
 from lib import harness
 from lib.errors import GPTliteError
 
@@ -309,6 +311,24 @@ def check_ranks(parser, args):
     if device.type == "cuda" and args.world > torch.cuda.device_count():
         parser.error(f"{args.world} processes need {args.world} CUDA devices on this machine (NCCL: one GPU per "
                      f"rank); it has {torch.cuda.device_count()}")
+
+
+def round_robin(variants, rank, device, repeats):
+    """Time the variants of a multi-process script round-robin (iu.time_round_robin, a warm-up round first):
+    {name: (ranks, threads, fn)}. Every rank starts each variant together (a barrier); the ranks below
+    `ranks` run fn() with `threads` threads (timed inside fn), the others go on to the next barrier.
+    Returns {name: [this rank's fn() results]}, the warm-up's left out (none on a rank outside the variant)."""
+    samples = {name: [] for name in variants}
+
+    def one(name, ranks, threads, fn):
+        dist.barrier()
+        if rank < ranks:
+            torch.set_num_threads(threads)
+            samples[name].append(fn())
+    iu.time_round_robin({name: functools.partial(one, name, *v) for name, v in variants.items()}, device, warmup=1,
+                        repeats=repeats)
+    dist.barrier()
+    return {name: runs[1:] for name, runs in samples.items()}
 
 
 def setup(args, parser, check_args):
