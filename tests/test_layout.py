@@ -93,3 +93,52 @@ def test_one_median_in_the_repository():
     defined = [f"{p.name}:{n.name}" for p in sources for n in ast.walk(ast.parse(p.read_text()))
                if isinstance(n, ast.FunctionDef) and n.name == "median"]
     assert not defined, f"another median function: {defined}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Citations of the post: every "Blog section" names one of the post's section titles, never a guessed one.
+
+SECTIONS = {  # ../shared/post-outline.md's titles (checked against it below where that file is present)
+    "Background: how a GPT generates text, and where the time goes", "Prefill and decode",
+    "Where the compute goes: MLP versus attention", "Caching", "KV cache", "Prefix caching", "Semantic caching",
+    "Choosing a caching strategy", "Batching and scheduling", "Static batching", "Continuous batching",
+    "PagedAttention: memory management for the KV cache", "Chunked prefill", "Prefill-decode disaggregation",
+    "Scaling out: parallelism and offloading", "Other serving techniques", "Faster attention",
+    "Why attention matters", "FlashAttention", "FlashDecoding", "Smaller KV caches: MQA, GQA and MLA",
+    "Quantized attention: SageAttention", "Sparse attention", "Linear attention and hybrid models",
+    "Sparse plus linear attention: SLA", "Summary of attention methods", "Distillation and pruning",
+    "Knowledge distillation", "Implementing offline distillation with soft labels", "Pruning", "What's next"}
+OUTLINE = ROOT.parent / "shared" / "post-outline.md"
+CITATION = re.compile(r'[Bb]log sections?:? ((?:"[^"]+"(?:,| and| or)? ?)+)')
+
+
+def outline_titles(text):
+    """The outline's section titles: `N. **Title**` and `- Title — listings` / `- Title (summary)`."""
+    titles = set(re.findall(r"^\d+\. \*\*(.+?)\*\*", text, re.M))
+    for item in re.findall(r"^ {2,}- (.+)$", text, re.M):
+        titles.update(t.strip() for t in re.split(r" —| \(", item)[0].split("; "))
+    return titles
+
+
+@pytest.mark.skipif(not OUTLINE.is_file(), reason="the post's outline is not beside this checkout")
+def test_the_section_list_is_the_outlines():
+    assert SECTIONS <= outline_titles(OUTLINE.read_text())
+
+
+def cited_sections():
+    files = [*ROOT.glob("*.py"), *(ROOT / "lib").glob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    for path in files:
+        for match in CITATION.finditer(path.read_text()):
+            for title in re.findall(r'"([^"]+)"', match.group(1)):
+                yield path.relative_to(ROOT).as_posix(), title
+    readme = (ROOT / "README.md").read_text()  # the techniques table's "blog section" column
+    for line in readme.split("## Techniques", 1)[1].split("\n\n", 2)[1].splitlines()[2:]:
+        for title in line.split(" | ")[2].split("; "):
+            if not title.startswith("part 2"):
+                yield "README.md", title
+
+
+def test_every_cited_section_is_one_of_the_posts():
+    cited = list(cited_sections())
+    assert len(cited) > 40  # the pattern finds the citations
+    assert [(path, title) for path, title in cited if title not in SECTIONS] == []
