@@ -276,16 +276,20 @@ def sparse_uptrain(model, data, steps, lr, batch_size=32, seqlen=None, seed=0, v
 
 
 @torch.no_grad()
-def indexer_recall(model, windows, top_k=None):
+def indexer_recall(model, windows, top_k=None, from_position=0):
     """The fraction of the dense attention's mass on the indexer's top_k keys (default: the model's),
-    mean over queries, heads and layers. The model runs dense (its true attention) on windows [B, S]."""
+    mean over queries, heads and layers. The model runs dense (its true attention) on windows [B, S].
+    from_position: the queries at that position and after only (top_k: those that have a choice; the
+    first top_k queries read every key, a recall of 1 by construction)."""
     top_k = top_k or model.config.top_k
+    if not 0 <= from_position < windows.shape[1]:
+        raise ValueError(f"from_position must be a position of the {windows.shape[1]}-token windows, got {from_position}")
     was_training = model.training
     model.eval()
     with model.recording(dense=True):
         model(windows)
-        recalls = [(weights * select_topk(scores, top_k)[:, None]).sum(dim=-1).mean()  # [B, H, S] -> mean
-                   for weights, scores, _ in (mha.recorded for mha in model.attentions())]
+        recalls = [(weights * select_topk(scores, top_k)[:, None]).sum(dim=-1)[..., from_position:].mean()
+                   for weights, scores, _ in (mha.recorded for mha in model.attentions())]  # [B, H, S] -> mean
     model.train(was_training)
     return torch.stack(recalls).mean().item()
 

@@ -207,7 +207,7 @@ def test_sparse_training_keeps_each_loss_to_its_own_parameters(real_data):
     assert len(history) == 1 and all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def reference_recall(model, x, top_k):
+def reference_recall(model, x, top_k, from_position=0):
     """The dense forward pass of the GPTlite weights written out, with each layer's attention weights and
     the test's own index scores and selection: mass on the selected keys, mean over layers, heads, queries."""
     S, D = x.shape[1], TINY["d_head"]
@@ -219,7 +219,7 @@ def reference_recall(model, x, top_k):
         weights = torch.softmax((Q @ K.transpose(-2, -1) / math.sqrt(D)).masked_fill(
             torch.ones(S, S).triu(1).bool(), float("-inf")), dim=-1)  # [B, H, S, S]
         chosen = reference_selection(reference_index_scores(mha.indexer, a), top_k)  # [B, S, S]
-        recalls.append((weights * chosen[:, None]).sum(-1).mean())
+        recalls.append((weights * chosen[:, None]).sum(-1)[..., from_position:].mean())
         V = mha.value_proj(a).view(*x.shape, -1, D).transpose(1, 2)
         h = h + mha.out_proj((weights @ V).transpose(1, 2).flatten(2))
         h = h + block.ffwd(block.ln2(h))
@@ -229,10 +229,23 @@ def reference_recall(model, x, top_k):
 def test_indexer_recall_matches_a_direct_computation_and_is_one_at_every_token():
     model, x = random_dsa(4), tokens(B=2)
     with torch.no_grad():
-        for top_k in (2, 5):
-            assert indexer_recall(model, x, top_k) == pytest.approx(reference_recall(model, x, top_k), abs=1e-6)
+        for top_k, start in ((2, 0), (5, 0), (5, 5)):
+            assert indexer_recall(model, x, top_k, start) == pytest.approx(reference_recall(model, x, top_k, start),
+                                                                           abs=1e-6)
     assert indexer_recall(model, x, TINY["seqlen"]) == pytest.approx(1.0, abs=1e-6)
-    assert indexer_recall(model, x, 2) < 0.9
+    assert indexer_recall(model, x, 5, from_position=5) < indexer_recall(model, x, 5) < 0.95
+    with pytest.raises(ValueError, match="from_position"):
+        indexer_recall(model, x, 5, from_position=TINY["seqlen"])
+
+
+def test_a_trained_dsa_model_saves_and_reloads_through_cached_model(tmp_path, real_data):
+    import inference_utils as iu
+    model, x = random_dsa(4), tokens()
+    config, path = model.config.to_dict(), tmp_path / "dsa.pt"
+    iu.cached_model(model, config, path, lambda m: None, real_data.vocab, "rebuild", stamp="s")
+    reloaded, seconds = iu.cached_model(GPTlite_DSA(**config), config, path, None, real_data.vocab, "rebuild", stamp="s")
+    with torch.no_grad():
+        assert seconds is None and torch.equal(reloaded(x), model(x))
 
 
 @pytest.mark.parametrize("top_k", [1, 3, 16])
