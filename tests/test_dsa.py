@@ -120,7 +120,11 @@ def test_top_k_of_every_token_is_gptlite_exactly_and_fewer_differ():
     with torch.no_grad():
         for top_k in (TINY["seqlen"], 100):
             assert torch.equal(dsa_from_dense(base, top_k)(x), base(x))
-        assert not torch.allclose(random_dsa(4)(x), base(x), atol=1e-2)
+        model = random_dsa(4)
+        assert not torch.allclose(model(x), base(x), atol=1e-2)
+        assert torch.equal(model.set_top_k(TINY["seqlen"])(x), base(x)) and model.config.top_k == TINY["seqlen"]
+    with pytest.raises(ValueError, match="--dsa-top-k"):
+        model.set_top_k(0)
 
 
 def test_the_state_dict_is_gptlites_plus_the_indexers():
