@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
-from gptlite_kvcache import DynamicKVCache, GPTlite_KVCache, KVCache, MultiHeadAttention_KVCache
+from gptlite_kvcache import DynamicKVCache, GPTlite_KVCache, MultiHeadAttention_KVCache
 from lib import training
 from lib.corpus import get_batch
 
@@ -283,7 +283,8 @@ def indexer_recall(model, windows, top_k=None, from_position=0):
     first top_k queries read every key, a recall of 1 by construction)."""
     top_k = top_k or model.config.top_k
     if not 0 <= from_position < windows.shape[1]:
-        raise ValueError(f"from_position must be a position of the {windows.shape[1]}-token windows, got {from_position}")
+        raise ValueError(f"from_position must be a position of the {windows.shape[1]}-token windows, "
+                         f"got {from_position}")
     was_training = model.training
     model.eval()
     with model.recording(dense=True):

@@ -104,7 +104,8 @@ def test_the_sparse_attention_matches_an_explicit_softmax_over_the_selected_keys
     x = torch.randn(2, 11, TINY["d_model"], generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         chosen = reference_selection(reference_index_scores(mha.indexer, x), top_k)  # [B, S, S]
-        Q, K, V = (proj(x).view(2, 11, -1, D) for proj in (mha.query_proj, mha.key_proj, mha.value_proj))  # [B, S, H, D]
+        projections = (mha.query_proj, mha.key_proj, mha.value_proj)
+        Q, K, V = (proj(x).view(2, 11, -1, D) for proj in projections)  # [B, S, H, D]
         heads = torch.zeros(2, 11, TINY["n_heads"], D)
         for b in range(2):
             for t in range(11):
@@ -247,7 +248,8 @@ def test_a_trained_dsa_model_saves_and_reloads_through_cached_model(tmp_path, re
     model, x = random_dsa(4), tokens()
     config, path = model.config.to_dict(), tmp_path / "dsa.pt"
     iu.cached_model(model, config, path, lambda m: None, real_data.vocab, "rebuild", stamp="s")
-    reloaded, seconds = iu.cached_model(GPTlite_DSA(**config), config, path, None, real_data.vocab, "rebuild", stamp="s")
+    reloaded, seconds = iu.cached_model(GPTlite_DSA(**config), config, path, None, real_data.vocab, "rebuild",
+                                        stamp="s")
     with torch.no_grad():
         assert seconds is None and torch.equal(reloaded(x), model(x))
 
