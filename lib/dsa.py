@@ -245,6 +245,7 @@ def warmup_indexer(model, data, steps, lr, batch_size=32, seqlen=None, seed=0, v
         # the KL loss alone gives them none already (detached input and target), this also spares autograd
 
     def loss_fn(m, x, y):
+        m.eval()  # the frozen model as at inference: no dropout in the target (the indexer has none to lose)
         with m.recording(dense=True):
             m(x)
             return m.indexer_loss()
