@@ -288,3 +288,22 @@ def test_bad_training_settings_are_clear_errors_before_any_work(stage, kwargs, f
     with pytest.raises(ValueError, match=flag):
         stage(model, None, **kwargs)  # no data needed: the error comes first
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_the_warmup_target_has_no_dropout(monkeypatch, real_data):
+    """train_steps puts the model in training mode; the warm-up's loss is still that of the frozen model
+    at inference (no dropout), so the same batch gives the same loss twice, whatever dropout_p."""
+    import lib.dsa
+    torch.manual_seed(0)
+    model = dsa_from_dense(GPTlite(**TINY | dict(dropout_p=0.5)), 4)
+    x = tokens()
+    losses = []
+
+    def fake_train_steps(m, data, n_steps, batch_size, seqlen, lr, loss_fn, **kwargs):
+        for _ in range(2):
+            m.train()
+            losses.append(loss_fn(m, x, x).item())
+        return []
+    monkeypatch.setattr(lib.dsa.training, "train_steps", fake_train_steps)
+    warmup_indexer(model, real_data, steps=1, lr=1e-3, val_windows=2)
+    assert losses[0] == losses[1] > 0
