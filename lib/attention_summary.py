@@ -12,6 +12,8 @@ in the README (`short_table`). A row says:
 - pays: the context length from which it pays on the machine of the run, or why it does not there.
 """
 FIELDS = ("method", "exact", "difference", "training_steps", "training", "reduces", "reduction", "pays")
+ORDER = ("main_flash_attention.py", "main_flash_decoding.py", "main_gqa.py", "main_mla.py", "main_sage_attention.py",
+         "main_sparse_attention.py", "main_trainable_sparse.py", "main_linear_attention.py", "main_sla.py")  # the post's
 
 
 def method_row(method, exact, difference, training_steps, training, reduces, reduction, pays):
@@ -44,12 +46,14 @@ def pays_from(contexts, times, base_times, what="time"):
     context = first_context_below(contexts, times, base_times)
     if context is None:
         return f"not up to {contexts[-1]:,} tokens here ({what} above the baseline's)"
-    return f"from {context:,} tokens ({base_times[-1] / times[-1]:.1f}x less {what} at {contexts[-1]:,})"
+    return f"from {context:,} tokens (the baseline's {what} / its: {base_times[-1] / times[-1]:.2f}x at {contexts[-1]:,})"
 
 
 def rows_of(results):
-    """[(script, row)] from {script: its JSON result}, in the given order; results without rows are skipped."""
-    return [(script, row) for script, result in results.items() for row in result.get("attention_methods") or []]
+    """[(script, row)] from {script: its JSON result}, in the post's order (ORDER; others after it, as given);
+    results without rows are skipped."""
+    scripts = sorted(results, key=lambda s: ORDER.index(s) if s in ORDER else len(ORDER))
+    return [(script, row) for script in scripts for row in results[script].get("attention_methods") or []]
 
 
 def full_table(results):

@@ -191,7 +191,7 @@ def test_a_bad_attention_row_is_an_error_when_the_script_builds_it(bad):
 
 
 def test_pays_from_names_the_context_from_which_the_method_stays_faster():
-    assert attention_summary.pays_from([1, 2, 4, 8], [5, 3, 1, 1], [2, 2, 2, 4]) == "from 4 tokens (4.0x less time at 8)"
+    assert attention_summary.pays_from([1, 2, 4, 8], [5, 3, 1, 1], [2, 2, 2, 4]) == "from 4 tokens (the baseline's time / its: 4.00x at 8)"
     assert attention_summary.pays_from([1, 2], [1, 3], [2, 2]).startswith("not up to 2 tokens here")
 
 
