@@ -32,7 +32,7 @@ import torch
 
 import inference_utils as iu
 from gptlite import GPTlite
-from lib import corpus, harness, training
+from lib import attention_summary, corpus, harness, training
 from lib.sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, attention_flops, attention_inputs,  # noqa: F401
                      check_sla_args, classify_blocks, fit_projections, linear_part, relative_error, sla_attention,
                      sparse_part, tile_counts, tile_fractions)
@@ -113,7 +113,7 @@ def variant_rows(base, data, preset, args, train_inputs, val_inputs):
                 model = sla_from(base, args.block_size, exact, skipped, mask, linear, args.feature_map)
                 if linear and exact < 1.0:
                     fits[f"{mask} {exact:g}"] = fit_projections(model, train_inputs, args.fit_steps, args.fit_lr,
-                                                                seed=args.seed)
+                                                                seed=args.seed, desc=f"fitting {name} {exact:g}")
                 figures = measured(model, val_inputs, args.block_size, preset.d_head, causal, linear)
                 val_loss = training.validation_loss(model, data, n_batches=args.val_batches) if causal else None
                 rows.append(harness.make_row(name, val_loss=val_loss, mask=mask, exact_target=exact, **figures))
@@ -161,6 +161,26 @@ def headline(rows, args):
     return dict(technique=f"SLA, tiles of {args.block_size}, {least:.0%} exact, {args.skipped:.0%} skipped, "
                           f"projection fitted {args.fit_steps} steps",
                 figure="; ".join(parts))
+
+
+def attention_methods(rows, args):
+    """The summary of attention methods' rows (lib/attention_summary.py): SLA at the sparsest exact fraction,
+    per mask, against dense attention and the sparse-only ablation."""
+    least, methods = min(args.exact), []
+    for mask in args.masks:
+        sla, sparse = (next(r for r in rows if r["mask"] == mask and r["exact_target"] == least and
+                            r["variant"].endswith(k)) for k in ("SLA", "sparse only"))
+        difference = f"attention output error {sla['rel_error']:.3f} (sparse only {sparse['rel_error']:.3f})"
+        if mask == "causal":
+            dense = next(r for r in rows if r["variant"] == "causal dense")
+            difference += f", val loss {sla['val_loss'] - dense['val_loss']:+.4f}"
+        methods.append(attention_summary.method_row(
+            f"SLA, {mask}, {sla['exact']:.0%} of tiles exact", False, difference, args.fit_steps,
+            f"{args.fit_steps} steps fitting the linear part's projection alone", "attention FLOPs",
+            f"{sla['flops_rel']:.0%} of dense's (sparse only {sparse['flops_rel']:.0%})",
+            "not timed: the explicit mask computes every tile; a block-sparse kernel and long sequences are "
+            "where the FLOPs turn into time"))
+    return methods
 
 
 def parse_args(argv):
@@ -232,7 +252,7 @@ def main(argv=None):
     harness.report(args, "main_sla.py", preset, device, rows, headline(rows, args), summary=summary,
                    plot=lambda: plot_results(rows, args, preset), block_size=args.block_size, n_blocks=nb,
                    skipped=args.skipped, feature_map=args.feature_map, fit_steps=args.fit_steps, fit_lr=args.fit_lr,
-                   checks=checks)
+                   checks=checks, attention_methods=attention_methods(rows, args))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
 
@@ -281,7 +282,7 @@ def relative_error(model, inputs):
     return math.sqrt(err / ref)
 
 
-def fit_projections(model, inputs, steps, lr, batch_size=16, seed=0):
+def fit_projections(model, inputs, steps, lr, batch_size=16, seed=0, desc="fitting proj_l"):
     """Fine-tune proj_l alone (Adam, `steps` steps): minimise the mean squared error of each attention
     layer's output against dense attention with the same weights, on its real inputs `inputs`
     ([n_layers] of [N, S, d_model], the dense model's). Returns the last loss."""
@@ -299,7 +300,7 @@ def fit_projections(model, inputs, steps, lr, batch_size=16, seed=0):
     optimizer = torch.optim.Adam(params, lr=lr)
     generator = torch.Generator().manual_seed(seed)
     loss = None
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc=desc, dynamic_ncols=True, mininterval=0.5):
         pick = torch.randint(inputs[0].shape[0], (batch_size,), generator=generator)
         loss = sum(F.mse_loss(block.mha(x[pick]), t[pick]) for block, x, t in zip(model.blocks, inputs, targets))
         optimizer.zero_grad(set_to_none=True)

@@ -271,6 +271,9 @@ def test_main_sla_runs_checks_and_writes_json_and_plot(real_data, tmp_path, caps
     assert bidirectional[("bidirectional sparse only", 0.1)]["skipped"] == 0.875  # 2 of 16 exact
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["headline"]["technique"].startswith("SLA, tiles of 8, 10% exact")
+    methods = result["attention_methods"]
+    assert [m["method"] for m in methods] == ["SLA, causal, 16% of tiles exact", "SLA, bidirectional, 12% of tiles exact"]
+    assert all(not m["exact"] and m["training_steps"] == 2 for m in methods)
 
 
 @pytest.mark.parametrize("flags", [["--exact", "0"], ["--exact", "1"], ["--exact", "1.5"], ["--exact", "0.2", "0.2"],
