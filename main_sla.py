@@ -38,6 +38,7 @@ from lib.sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, attention_flops, 
                      sparse_part, tile_counts, tile_fractions)
 
 DENSE_ATOL = 1e-6  # float32 attention outputs of bidirectional SLA at exact = 1 against dense attention
+LENGTHS = [128, 1024, 4096, 16384, 65536]  # the FLOPs panel's sequence lengths (bidirectional, counted, not run)
 
 
 def sla_from(base, block_size, exact, skipped, mask, linear, feature_map):
@@ -120,12 +121,38 @@ def variant_rows(base, data, preset, args, train_inputs, val_inputs):
     return rows, fits
 
 
-def plot_results(rows, args, preset):
+def spread_labels(n_blocks, critical, skipped):
+    """Bidirectional labels of one head with each row's shares (ceil / floor as classify_blocks), the tiles
+    rotated from row to row so that every key block is marginal for some row: [1, 1, nb, nb]."""
+    n_critical, n_skipped = tile_counts(n_blocks, critical, skipped)
+    rank = (torch.arange(n_blocks)[None, :] - torch.arange(n_blocks)[:, None]) % n_blocks  # [nb, nb]
+    labels = torch.full((n_blocks, n_blocks), MARGINAL, dtype=torch.int8)
+    labels[rank >= n_blocks - n_skipped] = SKIPPED
+    labels[rank < n_critical] = CRITICAL
+    return labels[None, None]
+
+
+def long_context_flops(exact, skipped, settings):
+    """SLA's attention FLOPs against dense at LENGTHS, bidirectional, for each (block_size, d_head) of
+    `settings`: {label: [share per length]} (attention_flops of spread_labels: counted, not run)."""
+    curves = {}
+    for block_size, d_head in settings:
+        shares = []
+        for length in LENGTHS:
+            flops, dense = attention_flops(spread_labels(length // block_size, exact, skipped), block_size, d_head,
+                                           causal=False, linear=True)
+            shares.append(round(flops / dense, 4))
+        curves[f"tiles of {block_size}, d_head {d_head}"] = shares
+    return curves
+
+
+def plot_results(rows, args, preset, long_flops):
     """Output error and validation loss against the share of tiles computed exactly: SLA vs sparse only."""
-    fig, (ax_err, ax_loss) = harness.new_figure(2)
+    fig, (ax_err, ax_loss, ax_flops) = harness.new_figure(3)
     for mask, style in (("causal", "-"), ("bidirectional", "--")):
         for kind, marker in (("SLA", "o"), ("sparse only", "s")):
-            picked = [r for r in rows if r["mask"] == mask and r["variant"].endswith(kind)]
+            picked = [r for r in rows if r["mask"] == mask and (r["variant"].endswith(kind) or r["exact_target"] == 1)]
+            picked = sorted(picked, key=lambda r: r["exact"]) if len(picked) > 1 else []  # dense closes each curve
             if picked:
                 ax_err.plot([r["exact"] for r in picked], [r["rel_error"] for r in picked], marker=marker,
                             linestyle=style, label=f"{kind}, {mask}")
@@ -141,6 +168,13 @@ def plot_results(rows, args, preset):
     ax_loss.set(xlabel="share of tiles computed exactly", ylabel="validation loss (nats/char)",
                 title="causal GPTlite with SLA in every layer")
     ax_loss.legend()
+    for label, shares in long_flops.items():
+        ax_flops.plot(LENGTHS, shares, marker="o", label=f"SLA, {label}")
+    ax_flops.axhline(1.0, color="gray", label="dense")
+    ax_flops.set(xscale="log", yscale="log", xlabel="sequence length (tokens, bidirectional)",
+                 ylabel="attention FLOPs / dense's",
+                 title=f"{min(args.exact):.0%} exact, {args.skipped:.0%} skipped: counted, not run")
+    ax_flops.legend()
     return fig
 
 
@@ -238,6 +272,7 @@ def main(argv=None):
     train_inputs = attention_inputs(base, train_window)
     rows, fits = variant_rows(base, data, preset, args, train_inputs, val_inputs)
     nb = preset.seqlen // args.block_size
+    long_flops = long_context_flops(min(args.exact), args.skipped, [(args.block_size, preset.d_head), (64, 128)])
     print(f"\ntiles of {args.block_size} x {args.block_size}: {nb} x {nb} in the {preset.seqlen}-token window; "
           f"phi = {args.feature_map}; SLA's projections fitted alone, {args.fit_steps} Adam steps at lr {args.fit_lr:g}")
     summary = ["rel_error: |attention outputs - dense attention's| / |dense's|, all layers, on the layers' real "
@@ -247,12 +282,16 @@ def main(argv=None):
                "sparse only counts its marginal tiles as skipped",
                f"flops_rel: attention FLOPs of a block-sparse kernel against dense (d_head {preset.d_head}; "
                "estimate, linear part and projection included)"]
+    summary += [f"attention FLOPs / dense's at {', '.join(f'{n:,}' for n in LENGTHS)} tokens, bidirectional, "
+                f"{min(args.exact):.0%} exact, {args.skipped:.0%} skipped, {label} (counted): "
+                + ", ".join(f"{share:.3f}" for share in shares) for label, shares in long_flops.items()]
     summary += [f"fit {name}: last mean squared error {loss:.3g}" for name, loss in fits.items()]
     summary += [f"check {name}: {'ok' if ok else 'NO'}" for name, ok in checks.items()]
     harness.report(args, "main_sla.py", preset, device, rows, headline(rows, args), summary=summary,
-                   plot=lambda: plot_results(rows, args, preset), block_size=args.block_size, n_blocks=nb,
+                   plot=lambda: plot_results(rows, args, preset, long_flops), block_size=args.block_size, n_blocks=nb,
                    skipped=args.skipped, feature_map=args.feature_map, fit_steps=args.fit_steps, fit_lr=args.fit_lr,
-                   checks=checks, attention_methods=attention_methods(rows, args))
+                   checks=checks, long_context_lengths=LENGTHS, long_context_flops=long_flops,
+                   attention_methods=attention_methods(rows, args))
 
 
 if __name__ == "__main__":

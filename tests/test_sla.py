@@ -204,6 +204,16 @@ def test_flops_count_the_tiles():
     assert attention_flops(torch.full((1, 1, 4, 4), CRITICAL), b, d, False, True) == (dense, dense)
 
 
+def test_the_long_context_flops_use_rows_of_the_given_shares_and_fall_with_length():
+    labels = main_sla.spread_labels(20, 0.1, 0.25)
+    assert ((labels == CRITICAL).sum(-1) == 2).all() and ((labels == SKIPPED).sum(-1) == 5).all()
+    assert ((labels == MARGINAL).sum(-2) > 0).all()  # every key block is marginal for some row
+    curves = main_sla.long_context_flops(0.05, 0.1, [(8, 32), (64, 128)])
+    for shares in curves.values():
+        assert len(shares) == len(main_sla.LENGTHS) and all(a > b for a, b in zip(shares, shares[1:]))
+    assert curves["tiles of 64, d_head 128"][-1] < 0.1
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_size=0), "block_size must be a positive integer"), (dict(block_size=5), "does not divide seqlen=16"),
     (dict(critical=0.0), "critical must be a fraction in \\(0, 1\\]"), (dict(critical=1.5), "critical must be"),
