@@ -78,7 +78,8 @@ def run_checks(base, window, val_inputs, block_size, exacts, skipped, masks, fea
             checks["exact = 1, causal: GPTlite's logits bit for bit"] = torch.equal(dense(window), base(window))
         else:
             err = relative_error(dense, val_inputs)
-            checks[f"exact = 1, bidirectional: dense attention's outputs (relative error {err:.0e})"] = err <= DENSE_ATOL
+            name = f"exact = 1, bidirectional: dense attention's outputs (relative error {err:.0e})"
+            checks[name] = err <= DENSE_ATOL
     mha = base.blocks[0].mha
     x = val_inputs[0][:2]
     Q, K = mha.split_heads(mha.query_proj(x)), mha.split_heads(mha.key_proj(x))  # [2, H, S, D]
@@ -222,7 +223,8 @@ def parse_args(argv):
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--block-size", type=harness.int_at_least(1), default=8, help="tokens per query block and key block")
-    add("--exact", type=harness.float_in(0, 1, low_open=True, high_open=True), nargs="+", default=[0.05, 0.1, 0.25, 0.5],
+    add("--exact", type=harness.float_in(0, 1, low_open=True, high_open=True), nargs="+",
+        default=[0.05, 0.1, 0.25, 0.5],
         help="fractions of each row's tiles computed exactly (k_h), in (0, 1), one SLA and one sparse-only row "
              "each; dense (1) is always run")
     add("--skipped", type=harness.float_in(0, 1, high_open=True), default=0.1,
@@ -274,7 +276,8 @@ def main(argv=None):
     nb = preset.seqlen // args.block_size
     long_flops = long_context_flops(min(args.exact), args.skipped, [(args.block_size, preset.d_head), (64, 128)])
     print(f"\ntiles of {args.block_size} x {args.block_size}: {nb} x {nb} in the {preset.seqlen}-token window; "
-          f"phi = {args.feature_map}; SLA's projections fitted alone, {args.fit_steps} Adam steps at lr {args.fit_lr:g}")
+          f"phi = {args.feature_map}; SLA's projections fitted alone, {args.fit_steps} Adam steps at lr "
+          f"{args.fit_lr:g}")
     summary = ["rel_error: |attention outputs - dense attention's| / |dense's|, all layers, on the layers' real "
                f"inputs ({args.error_sequences} validation windows through the dense model)",
                "val loss: causal only (bidirectional GPTlite is no language model)",

@@ -178,7 +178,8 @@ def dense_attention(Q, K, V, causal):
 class MultiHeadAttention_SLA(MultiHeadAttention):
     """GPTlite's attention computed with SLA; GPTlite's weights plus proj_l, the linear part's projection.
     `linear=False` is the sparse-only ablation; `dense=True` computes dense attention with the same mask
-    (the reference of the output error)."""
+    (the reference of the output error). No dropout on the attention weights: SLA is evaluated, and its
+    projections fitted, in eval mode; dropout after out_proj is GPTlite's."""
 
     def __init__(self, d_model, n_heads, d_head, dropout_p, block_size, critical, skipped, mask, linear, feature_map):
         super().__init__(d_model, n_heads, d_head, dropout_p)

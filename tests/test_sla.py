@@ -204,6 +204,26 @@ def test_flops_count_the_tiles():
     assert attention_flops(torch.full((1, 1, 4, 4), CRITICAL), b, d, False, True) == (dense, dense)
 
 
+def test_gptlite_sla_is_rebuilt_from_its_config():
+    model = GPTlite_SLA(**TINY, block_size=4, critical=0.25, skipped=0.5, mask="bidirectional", linear=False,
+                        feature_map="elu")
+    rebuilt = GPTlite_SLA.from_config(model.config)
+    assert rebuilt.config == model.config and rebuilt.config.to_dict()["mask"] == "bidirectional"
+    mha = rebuilt.blocks[0].mha
+    assert (mha.block_size, mha.critical, mha.skipped, mha.causal, mha.linear, mha.feature_map) == (
+        4, 0.25, 0.5, False, False, "elu")
+    with pytest.raises(ValueError, match="not a GPTlite state dict"):
+        GPTlite_SLA.from_gptlite(_WithExtraKey(), block_size=4, critical=0.5)
+
+
+class _WithExtraKey(GPTlite):
+    """A GPTlite with one parameter GPTlite_SLA does not have."""
+
+    def __init__(self):
+        super().__init__(**TINY)
+        self.extra = torch.nn.Parameter(torch.zeros(1))
+
+
 def test_the_long_context_flops_use_rows_of_the_given_shares_and_fall_with_length():
     labels = main_sla.spread_labels(20, 0.1, 0.25)
     assert ((labels == CRITICAL).sum(-1) == 2).all() and ((labels == SKIPPED).sum(-1) == 5).all()
@@ -232,8 +252,8 @@ def test_a_length_the_blocks_do_not_divide_is_a_clear_error():
     Q, K, V = random_qkv(S=30)
     with pytest.raises(ValueError, match="block_size=4 does not divide the sequence length 30"):
         sla_attention(Q, K, V, 4, 0.5, 0.0, True)
-    assert torch.allclose(dense_attention(Q, K, V, False), torch.softmax(Q @ K.transpose(-2, -1) / math.sqrt(8), -1) @ V,
-                          atol=ATOL)
+    reference = torch.softmax(Q @ K.transpose(-2, -1) / math.sqrt(8), -1) @ V
+    assert torch.allclose(dense_attention(Q, K, V, False), reference, atol=ATOL)
 
 
 def test_the_script_checks_catch_a_wrong_classification(monkeypatch):
@@ -243,7 +263,8 @@ def test_the_script_checks_catch_a_wrong_classification(monkeypatch):
     inputs = attention_inputs(base, window)
     checks = main_sla.run_checks(base, window, inputs, 4, [0.25, 0.5], 0.25, ["causal", "bidirectional"], "softmax")
     assert len(checks) == 4 and all(checks.values())
-    monkeypatch.setattr(main_sla, "classify_blocks", lambda Q, K, b, c, s, causal: classify_blocks(Q, -K, b, c, s, causal))
+    monkeypatch.setattr(main_sla, "classify_blocks",  # a wrong estimate: the keys' sign flipped
+                        lambda Q, K, b, c, s, causal: classify_blocks(Q, -K, b, c, s, causal))
     checks = main_sla.run_checks(base, window, inputs, 4, [0.25], 0.25, ["bidirectional"], "softmax")
     assert not checks["classification = tile-by-tile loop (bidirectional)"]
 
@@ -282,7 +303,8 @@ def test_main_sla_runs_checks_and_writes_json_and_plot(real_data, tmp_path, caps
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["headline"]["technique"].startswith("SLA, tiles of 8, 10% exact")
     methods = result["attention_methods"]
-    assert [m["method"] for m in methods] == ["SLA, causal, 16% of tiles exact", "SLA, bidirectional, 12% of tiles exact"]
+    assert [m["method"] for m in methods] == ["SLA, causal, 16% of tiles exact",
+                                              "SLA, bidirectional, 12% of tiles exact"]
     assert all(not m["exact"] and m["training_steps"] == 2 for m in methods)
 
 
