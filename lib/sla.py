@@ -92,7 +92,7 @@ def block_estimate(Q, K, block_size, causal):
 
 def tile_counts(n_valid, critical, skipped):
     """Critical and skipped tiles of a row of n_valid tiles: ceil(critical * n), floor(skipped * n).
-    Rounded to 9 decimals first so that 0.1 * 10 is 1, not 1.0000000000000002."""
+    Rounded to 9 decimals first so that 0.55 * 100 is 55, not 55.00000000000001."""
     return math.ceil(round(critical * n_valid, 9)), math.floor(round(skipped * n_valid, 9))
 
 

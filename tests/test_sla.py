@@ -12,7 +12,7 @@ import main_sla
 from gptlite import GPTlite
 from lib import harness, training
 from lib.sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, attention_flops, check_sla_args, classify_blocks,
-                     dense_attention, linear_part, sla_attention, sparse_part)
+                     dense_attention, linear_part, sla_attention, sparse_part, tile_counts)
 
 ATOL = 1e-6  # float32 attention outputs on random unit inputs
 
@@ -55,6 +55,14 @@ def test_classification_matches_the_row_by_row_reference(causal, b, critical, sk
     else:
         assert ((labels == CRITICAL).sum(-1) == math.ceil(round(critical * nb, 9))).all()
         assert ((labels == SKIPPED).sum(-1) == math.floor(round(skipped * nb, 9))).all()
+
+
+@pytest.mark.parametrize("n, critical, skipped, counts", [(100, 0.55, 0.0, (55, 0)), (90, 0.2, 0.7, (18, 63)),
+                                                          (10, 0.7, 0.3, (7, 3)), (16, 0.05, 0.1, (1, 1)),
+                                                          (20, 0.05, 0.1, (1, 2)), (3, 0.1, 0.0, (1, 0)),
+                                                          (8, 1.0, 0.0, (8, 0)), (1, 0.05, 0.9, (1, 0))])
+def test_tile_counts_round_the_critical_up_and_the_skipped_down_without_float_noise(n, critical, skipped, counts):
+    assert tile_counts(n, critical, skipped) == counts  # 0.55 * 100 is 55.00000000000001 in floats: still 55
 
 
 def reference_sparse(Q, K, V, labels, b, causal):
