@@ -114,6 +114,11 @@ RUNS = [
         "cache per sequence and TPOT against context, recall accuracy against key-value pairs",
         quick=("--contexts", "128", "256", "--n-tokens", "4", "--repeats", "1", "--val-batches", "2",
                "--recall-steps", "2")),
+    Run("main_sla", "main_sla.py", "docs/sla.md", "sla",
+        "relative error of the attention outputs and validation loss against the share of exact tiles, SLA and "
+        "sparse only, and attention FLOPs against sequence length",
+        quick=("--exact", "0.25", "--fit-steps", "2", "--fit-sequences", "4", "--error-sequences", "2",
+               "--val-batches", "1")),
     # 2 gloo processes: the script starts torchrun itself (--ranks 2), as `torchrun --nproc-per-node 2` would
     Run("main_tensor_parallel", "main_tensor_parallel.py", "docs/distributed.md", "tensor_parallel",
         "time of prefill and decoding steps relative to one rank of one thread, the all-reduce hatched",
