@@ -4,7 +4,7 @@
     python main_moba.py --block-size 16 --top-k 4 2 1 --json moba.json --plot moba.png
     python main_moba.py --untrained --uptrain-steps 2 --val-batches 2 --no-flex   # a quick smoke run
 
-Blog section: "Trainable sparse attention". MoBA splits the keys into blocks; each query scores every
+Blog section: "Sparse attention". MoBA splits the keys into blocks; each query scores every
 past block by its dot product with the block's mean key and attends to its top-k blocks, its own block
 always among them and causal within it (moba.py: select_blocks, moba_attention). The trained dense
 GPTlite is evaluated with MoBA at each top-k (inference only), then each is uptrained with MoBA for a

@@ -3,7 +3,7 @@
     from lib.moba import GPTlite_MoBA
     model = GPTlite_MoBA(**gptlite.config.to_dict(), block_size=16, top_k=2)  # loads gptlite's state dict
 
-Blog section: "Trainable sparse attention". The keys are split into blocks of `block_size` tokens.
+Blog section: "Sparse attention". The keys are split into blocks of `block_size` tokens.
 Every query scores each past block by its dot product with the block's mean key (a router with no
 parameters of its own) and attends to its `top_k` best blocks, its own block always among them and
 causal within it, as in the paper and its reference code: top_k = 1 is attention within the block
