@@ -27,7 +27,8 @@ from gptlite import GPTlite
 from gptlite_kvcache import kv_cache_view
 from lib import corpus, files, harness, training
 from lib.moba import (GPTlite_MoBA, MoBACache,  # noqa: F401 (the post's listing: the selection and the mask)
-                      attention_cost, keys_read, make_flex_check, moba_attention, n_blocks, select_blocks)
+                      attention_cost, cost_figures, keys_read, make_flex_check, moba_attention, n_blocks,
+                      select_blocks, uptrained)
 
 ATOL = 1e-4  # float32 logits (units to tens): FlexAttention's online softmax sums in another order
 FLEX_ATOL = 1e-5  # float32 attention outputs on random unit inputs
@@ -59,25 +60,6 @@ def run_checks(base, config, window, block_size, top_ks, flex):
         expected = torch.tensor([keys_read(p, block_size, k) for p in range(window.shape[1])], device=window.device)
         checks[f"top-{k}: keys read = formula"] = all(bool((counted == expected).all()) for counted in cache.keys_read)
     return checks
-
-
-def cost_figures(block_size, top_k, preset, n_dense_blocks):
-    """Keys per query over a full window, its sparsity, and the FLOPs and KV bytes of its last token."""
-    S, dims = preset.seqlen, (preset.n_heads, preset.d_head, preset.n_layers)
-    dense = top_k >= n_dense_blocks
-    keys = sum(keys_read(p, block_size, top_k) for p in range(S)) / S
-    flops, kv_bytes = attention_cost(S - 1, None if dense else block_size, top_k, *dims)
-    return dict(keys_per_query=round(keys, 2), sparsity=round(1 - keys / ((S + 1) / 2), 4),
-                kflops_token=round(flops / 1e3, 1), kv_kb_token=round(kv_bytes / 2**10, 1))
-
-
-def uptrained(model, name, path, meta, data, preset, steps, lr, seed, rebuild):
-    """`model` uptrained with MoBA: the checkpoint at `path` when it was made from the same base
-    checkpoint with the same budget (`meta`, its stamp), else trained now and saved there (None: never saved)."""
-    config = model.config.to_dict()  # GPTlite's and block_size, top_k
-    train = lambda m: training.train_steps(m, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed,  # noqa: E731
-                                           eval_interval=steps, desc=f"uptraining {name}")
-    return iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=meta)[0]
 
 
 def plot_results(rows, preset, block_size):

@@ -23,8 +23,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import inference_utils as iu
 from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
 from gptlite_kvcache import DynamicKVCache
+from lib import training
 
 
 def check_moba_args(block_size, top_k, seqlen=None):
@@ -218,3 +220,27 @@ def attention_cost(position, block_size, top_k, n_heads, d_head, n_layers, bytes
     flops = n_layers * per_layer * (4 * keys + 2 * means)
     kv_bytes = n_layers * per_layer * bytes_per_value * (2 * keys + means)  # K and V of each key, one mean key
     return flops, kv_bytes
+
+
+def cost_figures(block_size, top_k, preset, n_dense_blocks):
+    """Keys per query over a full window, its sparsity, and the FLOPs and KV bytes of its last token."""
+    S, dims = preset.seqlen, (preset.n_heads, preset.d_head, preset.n_layers)
+    dense = top_k >= n_dense_blocks
+    keys = sum(keys_read(p, block_size, top_k) for p in range(S)) / S
+    flops, kv_bytes = attention_cost(S - 1, None if dense else block_size, top_k, *dims)
+    return dict(keys_per_query=round(keys, 2), sparsity=round(1 - keys / ((S + 1) / 2), 4),
+                kflops_token=round(flops / 1e3, 1), kv_kb_token=round(kv_bytes / 2**10, 1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Uptraining a sparse model converted from the dense checkpoint (MoBA here; main_trainable_sparse's NSA
+# and DSA too).
+
+def uptrained(model, name, path, meta, data, preset, steps, lr, seed, rebuild, train=None):
+    """`model` uptrained: the checkpoint at `path` when it was made from the same base checkpoint with the
+    same budget (`meta`, its stamp), else trained now and saved there (None: never saved). `train(model)`:
+    default `steps` of training.train_steps with the cross-entropy loss (the model's own attention)."""
+    config = model.config.to_dict()  # GPTlite's and the variant's fields
+    train = train or (lambda m: training.train_steps(m, data, steps, preset.batch_size, preset.seqlen, lr, seed=seed,
+                                                     eval_interval=steps, desc=f"uptraining {name}"))
+    return iu.cached_model(model, config, path, train, data.vocab, rebuild, stamp=meta)[0]
