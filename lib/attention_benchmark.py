@@ -88,12 +88,14 @@ def make_flex(window, device, compiled=True, check_len=None):
 
 
 def benchmark(variants, contexts, batch_size, n_heads, d_head, device, repeats=3, seed=0, n_queries=None,
-              peak_memory=True):
+              peak_memory=True, caches=None):
     """Time (median of `repeats` after a warm-up, the variants round-robin: iu.time_round_robin) and peak
     memory of each `variants[name](Q, K, V)` on random K, V of [batch_size, n_heads, n, d_head] for every n
     in `contexts`. Q holds `n_queries` queries per sequence and head: None, n (the causal attention of a
     prefill: main_flash_attention); 1, one decode step over a cache of n (main_flash_decoding).
-    `peak_memory=False` leaves the memory out (no "peak_mb" key).
+    `peak_memory=False` leaves the memory out (no "peak_mb" key). `caches[name](K, V)`, for some variants:
+    what a KV cache keeps beside K and V for them (block summaries, index keys), a tuple built untimed for each
+    context and passed on: `variants[name](Q, K, V, *cache)` (main_trainable_sparse's decode steps).
 
     Returns {name: {"context": [...], "ms": [...], "peak_mb": [...]}}."""
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -103,7 +105,9 @@ def benchmark(variants, contexts, batch_size, n_heads, d_head, device, repeats=3
         K, V = torch.randn(2, batch_size, n_heads, n, d_head, device=device, generator=generator)
         Q = torch.randn(batch_size, n_heads, n if n_queries is None else n_queries, d_head, device=device,
                         generator=generator)
-        fns = {name: (lambda attention=attention: attention(Q, K, V)) for name, attention in variants.items()}
+        extra = {name: tuple((caches or {}).get(name, lambda K, V: ())(K, V)) for name in variants}
+        fns = {name: (lambda attention=attention, extra=extra[name]: attention(Q, K, V, *extra))
+               for name, attention in variants.items()}
         times = iu.time_round_robin(fns, device, warmup=1, repeats=repeats)
         for name, fn in fns.items():
             results[name]["context"].append(n)

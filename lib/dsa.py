@@ -394,3 +394,15 @@ def attention_cost(position, top_k, n_heads, d_head, n_layers, n_index_heads=Non
         flops += n * n_index_heads * (2 * d_index + 2)
         kv_bytes += n * d_index * (index_bytes_per_value or bytes_per_value)
     return n_layers * flops, n_layers * kv_bytes
+
+
+def dsa_decode(q, K, V, index_q, index_w, index_keys, top_k):
+    """DSA for one query (the last token) over a cache K, V [B, H, n, D] and its index keys [B, n, d_index]:
+    the indexer's scores over every cached token (index_q [B, n_index_heads, d_index] and index_w
+    [B, n_index_heads], the query token's, scale folded in), top-k, a gather of those tokens' keys and values
+    (the same for every head), attention over them. q: [B, H, 1, D]."""
+    n, D = K.shape[-2], K.shape[-1]
+    scores = torch.einsum("bh,bhs->bs", index_w, F.relu(torch.einsum("bhd,bsd->bhs", index_q, index_keys)))  # [B, n]
+    top = scores.topk(min(top_k, n), dim=-1).indices  # [B, k]
+    idx = top[:, None, :, None].expand(-1, K.shape[1], -1, D)  # [B, H, k, D]
+    return F.scaled_dot_product_attention(q, K.gather(2, idx), V.gather(2, idx))
