@@ -23,7 +23,7 @@ dense checkpoint with nothing to warm up (MoBA's router has no parameters; NSA's
 the compressed branch, 0.5 for the selected and window branches) and are uptrained with cross-entropy.
 
 The defaults read a similar number of keys per query at the full 128-token window: MoBA 3 blocks of 16
-(48 keys), NSA 2 selected blocks of 16 + a window of 8 + 8 block summaries (48), DSA top-48 (48 keys plus
+(48 keys), NSA 3 selected blocks of 8 + a window of 8 + 16 block summaries (48), DSA top-48 (48 keys plus
 the indexer's scoring of every past token, in the FLOPs column). The keys per query in the table are
 counted from the selections the models make on validation text and checked against each method's formula.
 
@@ -311,8 +311,8 @@ def parse_args(argv):
     add = parser.add_argument
     add("--moba-block", type=harness.int_at_least(1), default=16, help="MoBA: tokens per key block")
     add("--moba-top-k", type=harness.int_at_least(1), default=3, help="MoBA: blocks per query, its own included")
-    add("--nsa-block", type=harness.int_at_least(1), default=16, help="NSA: tokens per compression/selection block")
-    add("--nsa-top-n", type=harness.int_at_least(1), default=2,
+    add("--nsa-block", type=harness.int_at_least(1), default=8, help="NSA: tokens per compression/selection block")
+    add("--nsa-top-n", type=harness.int_at_least(1), default=3,
         help="NSA: selected blocks per query, its own and the first included")
     add("--nsa-window", type=harness.int_at_least(1), default=8, help="NSA: sliding-window tokens, the query included")
     add("--dsa-top-k", type=harness.int_at_least(1), default=48, help="DSA: tokens per query")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
 from gptlite_kvcache import DynamicKVCache, GPTlite_KVCache, MultiHeadAttention_KVCache
 from lib import training
+from lib.attention_benchmark import gather_tokens
 from lib.corpus import get_batch
 
 
@@ -401,8 +402,8 @@ def dsa_decode(q, K, V, index_q, index_w, index_keys, top_k):
     the indexer's scores over every cached token (index_q [B, n_index_heads, d_index] and index_w
     [B, n_index_heads], the query token's, scale folded in), top-k, a gather of those tokens' keys and values
     (the same for every head), attention over them. q: [B, H, 1, D]."""
-    n, D = K.shape[-2], K.shape[-1]
-    scores = torch.einsum("bh,bhs->bs", index_w, F.relu(torch.einsum("bhd,bsd->bhs", index_q, index_keys)))  # [B, n]
+    n = K.shape[-2]
+    scores = (index_w[:, :, None] * F.relu(index_q @ index_keys.transpose(1, 2))).sum(dim=1)  # [B, n]
     top = scores.topk(min(top_k, n), dim=-1).indices  # [B, k]
-    idx = top[:, None, :, None].expand(-1, K.shape[1], -1, D)  # [B, H, k, D]
-    return F.scaled_dot_product_attention(q, K.gather(2, idx), V.gather(2, idx))
+    idx = top[:, None].expand(-1, K.shape[1], -1)  # [B, H, k]: one selection for every head
+    return F.scaled_dot_product_attention(q, gather_tokens(K, idx), gather_tokens(V, idx))

@@ -27,6 +27,7 @@ import inference_utils as iu
 from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
 from gptlite_kvcache import DynamicKVCache
 from lib import training
+from lib.attention_benchmark import gather_tokens
 
 
 def check_moba_args(block_size, top_k, seqlen=None):
@@ -250,11 +251,11 @@ def moba_decode(q, K, V, mean_keys, block_size, top_k):
     """MoBA for one query (the last token) over a cache K, V [B, H, n, D] with the mean key of each whole
     block cached beside it, mean_keys [B, H, n // block_size, D] (updated once a block is full): the router's
     scores, top-k, a gather of the chosen blocks' keys and values, attention over them. q: [B, H, 1, D]."""
-    n, D = K.shape[-2], K.shape[-1]
+    n = K.shape[-2]
     own = (n - 1) // block_size
     gate = F.pad(q @ mean_keys[..., :own, :].transpose(-2, -1), (0, 1), value=float("inf"))  # [B, H, 1, own + 1]
     top = gate.topk(min(top_k, own + 1), dim=-1).indices[..., 0, :]  # [B, H, k]
     idx = (top[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)  # [B, H, k * l]
     valid = idx < n  # the own block's slots after the query: not there yet
-    idx = idx.clamp(max=n - 1)[..., None].expand(-1, -1, -1, D)
-    return F.scaled_dot_product_attention(q, K.gather(2, idx), V.gather(2, idx), attn_mask=valid[:, :, None, :])
+    idx = idx.clamp(max=n - 1)
+    return F.scaled_dot_product_attention(q, gather_tokens(K, idx), gather_tokens(V, idx), attn_mask=valid[:, :, None, :])

@@ -1,7 +1,7 @@
 """NSA (Native Sparse Attention, Yuan et al. 2025, arXiv 2502.11089) for GPTlite.
 
     from lib.nsa import nsa_from_dense
-    model = nsa_from_dense(base, block_size=16, top_n=2, window=8)  # GPTlite's weights + the gates
+    model = nsa_from_dense(base, block_size=8, top_n=3, window=8)  # GPTlite's weights + the gates
 
 Blog section: "Sparse attention". Every query attends through three branches, with the same Q, K, V
 (GPTlite's projections), and mixes their outputs with learned gates:
@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlite import GPTlite, GPTliteConfig, MultiHeadAttention
+from lib.attention_benchmark import gather_tokens
 
 GATE_BIAS = (-4.0, 0.0, 0.0)  # compressed, selected, window at the start of uptraining: sigmoid = 0.018, 0.5, 0.5
 
@@ -243,8 +244,8 @@ def nsa_decode(q, K, V, Kc, Vc, block_size, top_n, window):
     top = rank.topk(min(top_n, own + 1), dim=-1).indices[..., 0, :]  # [B, H, n_sel]
     idx = (top[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)  # [B, H, n_sel*l]
     valid = idx < n  # the own block's tokens after the query: not there yet
-    idx = idx.clamp(max=n - 1)[..., None].expand(-1, -1, -1, D)
-    Ks, Vs = K.gather(2, idx), V.gather(2, idx)  # [B, H, n_sel*l, D]
+    idx = idx.clamp(max=n - 1)
+    Ks, Vs = gather_tokens(K, idx), gather_tokens(V, idx)  # [B, H, n_sel*l, D]
     out_sel = F.scaled_dot_product_attention(q, Ks, Vs, attn_mask=valid[:, :, None, :])
     out_win = F.scaled_dot_product_attention(q, K[:, :, -window:], V[:, :, -window:])
     return (out_cmp + out_sel + out_win) / 3

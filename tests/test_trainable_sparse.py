@@ -77,7 +77,7 @@ def test_main_trainable_sparse_runs_checks_and_writes_json_and_plot(real_data, t
     assert result["script"] == "main_trainable_sparse.py" and result["untrained"] and result["uptrain_steps"] == 1
     assert len(result["checks"]) == 6 and all(result["checks"].values())
     rows = result["rows"]
-    assert [r["variant"] for r in rows] == ["dense", "MoBA (b16_k3)", "NSA (b16_n2_w8)", "DSA (k48_h4_d16)"]
+    assert [r["variant"] for r in rows] == ["dense", "MoBA (b16_k3)", "NSA (b8_n3_w8)", "DSA (k48_h4_d16)"]
     assert rows[0]["keys_per_query"] == 64.5 and rows[0]["keys_last"] == 128
     assert [r["keys_last"] for r in rows[1:]] == [48, 48, 48]  # the defaults' matched budget: 48 keys
     assert rows[0]["kv_kb_token"] == 4 * 2 * 128 * 128 * 4 / 2**10  # layers, K and V, keys, H * D, float32
@@ -101,7 +101,7 @@ def test_main_trainable_sparse_runs_checks_and_writes_json_and_plot(real_data, t
 
 @pytest.mark.parametrize("flags, flag", [
     (["--nsa-block", "0"], "--nsa-block"), (["--nsa-block", "128"], "--nsa-block"), (["--nsa-top-n", "0"], "--nsa-top-n"),
-    (["--nsa-top-n", "8"], "--nsa-top-n"), (["--nsa-window", "0"], "--nsa-window"), (["--nsa-window", "128"], "--nsa-window"),
+    (["--nsa-top-n", "16"], "--nsa-top-n"), (["--nsa-window", "0"], "--nsa-window"), (["--nsa-window", "128"], "--nsa-window"),
     (["--moba-block", "0"], "--moba-block"), (["--moba-top-k", "8"], "--moba-top-k"), (["--dsa-top-k", "0"], "--dsa-top-k"),
     (["--dsa-top-k", "128"], "--dsa-top-k"), (["--dsa-warmup-steps", "0"], "--dsa-warmup-steps"),
     (["--uptrain-steps", "0"], "--uptrain-steps"), (["--bench-contexts", "512", "256"], "--bench-contexts"),
