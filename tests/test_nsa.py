@@ -224,3 +224,16 @@ def test_bad_settings_are_errors_naming_the_flag(block_size, top_n, window, flag
         nsa.check_nsa_args(block_size, top_n, window)
     with pytest.raises(ValueError, match=flag):
         nsa.GPTlite_NSA(**TINY, block_size=block_size, top_n=top_n, window=window)
+
+
+@pytest.mark.parametrize("block, top_n", [(8, 3), (4, 2), (5, 4)])
+def test_selected_branch_matches_fla_naive_nsa_selection(block, top_n):
+    """A second oracle: fla-core's naive_nsa_selection (one query at a time, gathered blocks) given this
+    module's selection as block indices, -1 padding where fewer than top_n blocks exist."""
+    naive = pytest.importorskip("fla.ops.nsa.naive").naive_nsa_selection
+    Q, K, V = random_qkv(S=37)
+    chosen = nsa.select_blocks(Q, K, block, top_n)  # [B, H, S, nb]
+    ranked = torch.where(chosen, torch.arange(chosen.shape[-1]), -1).sort(dim=-1, descending=True).values
+    indices = ranked[..., :top_n].permute(0, 2, 1, 3).contiguous()  # [B, S, H, top_n], -1 last
+    out = naive(*(x.transpose(1, 2) for x in (Q, K, V)), indices, block_size=block).transpose(1, 2)
+    assert torch.allclose(nsa.selected_attention(Q, K, V, block, top_n), out, atol=ATOL)
