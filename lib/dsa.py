@@ -401,9 +401,10 @@ def dsa_decode(q, K, V, index_q, index_w, index_keys, top_k):
     """DSA for one query (the last token) over a cache K, V [B, H, n, D] and its index keys [B, n, d_index]:
     the indexer's scores over every cached token (index_q [B, n_index_heads, d_index] and index_w
     [B, n_index_heads], the query token's, scale folded in), top-k, a gather of those tokens' keys and values
-    (the same for every head), attention over them. q: [B, H, 1, D]."""
+    (the same for every head), attention over them. q: [B, H, 1, D]. Ties among the scores go to any of the
+    tied tokens (select_topk gives them to the earlier one; random scores have none)."""
     n = K.shape[-2]
-    scores = (index_w[:, :, None] * F.relu(index_q @ index_keys.transpose(1, 2))).sum(dim=1)  # [B, n]
-    top = scores.topk(min(top_k, n), dim=-1).indices  # [B, k]
+    scores = (index_w[:, None] @ F.relu(index_q @ index_keys.transpose(1, 2)))[:, 0]  # [B, n]: sum_j w_j ReLU(q_j . k)
+    top = scores.topk(min(top_k, n), dim=-1, sorted=False).indices  # [B, k]: attention needs no order
     idx = top[:, None].expand(-1, K.shape[1], -1)  # [B, H, k]: one selection for every head
     return F.scaled_dot_product_attention(q, gather_tokens(K, idx), gather_tokens(V, idx))

@@ -254,7 +254,7 @@ def moba_decode(q, K, V, mean_keys, block_size, top_k):
     n = K.shape[-2]
     own = (n - 1) // block_size
     gate = F.pad(q @ mean_keys[..., :own, :].transpose(-2, -1), (0, 1), value=float("inf"))  # [B, H, 1, own + 1]
-    top = gate.topk(min(top_k, own + 1), dim=-1).indices[..., 0, :]  # [B, H, k]
+    top = gate.topk(min(top_k, own + 1), dim=-1, sorted=False).indices[..., 0, :]  # [B, H, k]
     idx = (top[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)  # [B, H, k * l]
     valid = idx < n  # the own block's slots after the query: not there yet
     idx = idx.clamp(max=n - 1)

@@ -241,7 +241,7 @@ def nsa_decode(q, K, V, Kc, Vc, block_size, top_n, window):
     own = (n - 1) // block_size
     rank = F.pad(scores, (0, own + 1 - scores.shape[-1]), value=float("-inf"))[..., :own + 1]  # [B, H, 1, own+1]
     rank[..., 0], rank[..., own] = torch.finfo(rank.dtype).max, float("inf")
-    top = rank.topk(min(top_n, own + 1), dim=-1).indices[..., 0, :]  # [B, H, n_sel]
+    top = rank.topk(min(top_n, own + 1), dim=-1, sorted=False).indices[..., 0, :]  # [B, H, n_sel]
     idx = (top[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)  # [B, H, n_sel*l]
     valid = idx < n  # the own block's tokens after the query: not there yet
     idx = idx.clamp(max=n - 1)
