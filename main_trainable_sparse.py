@@ -168,6 +168,9 @@ def method_rows(base, data, preset, methods, steps, lr, warmup_steps, warmup_lr,
     models = {"dense": dense_copy(base), **build_sparse(base, methods)}
     tags = dict(dense="dense", MoBA="moba_b{}_k{}".format(*methods["MoBA"]),
                 NSA="nsa_b{}_n{}_w{}".format(*methods["NSA"]), DSA="dsa_k{}_h{}_d{}".format(*methods["DSA"]))
+    labels = dict(dense="dense", MoBA="MoBA (blocks of {}, top-{})".format(*methods["MoBA"]),
+                  NSA="NSA (blocks of {}, top-{}, window {})".format(*methods["NSA"]),
+                  DSA="DSA (top-{}, indexer {} x {})".format(*methods["DSA"]))
     top_k = methods["DSA"][0]
     recall_from = min(top_k, S - 1)  # the first top_k queries read every key: a recall of 1 by construction
     stages = [dict(stage="untrained indexer", indexer_recall=dsa.indexer_recall(models["DSA"], windows,
@@ -199,7 +202,7 @@ def method_rows(base, data, preset, methods, steps, lr, warmup_steps, warmup_lr,
         dense = rows[0] if rows else dict(loss_inference=loss_inference, val_loss=val_loss)
         flops, kv_bytes = cost(method, settings, preset)
         rows.append(harness.make_row(
-            method if settings is None else f"{method} ({tags[method].split('_', 1)[1]})",
+            labels[method],
             keys_per_query=round(sum(keys_formula(method, settings, p) for p in range(S)) / S, 2),
             keys_last=keys_formula(method, settings, S - 1), kflops_token=round(flops / 1e3, 1),
             kv_kb_token=round(kv_bytes / 2**10, 1), loss_inference=loss_inference,

@@ -77,7 +77,8 @@ def test_main_trainable_sparse_runs_checks_and_writes_json_and_plot(real_data, t
     assert result["script"] == "main_trainable_sparse.py" and result["untrained"] and result["uptrain_steps"] == 1
     assert len(result["checks"]) == 6 and all(result["checks"].values())
     rows = result["rows"]
-    assert [r["variant"] for r in rows] == ["dense", "MoBA (b16_k3)", "NSA (b8_n3_w8)", "DSA (k48_h4_d16)"]
+    assert [r["variant"] for r in rows] == ["dense", "MoBA (blocks of 16, top-3)", "NSA (blocks of 8, top-3, window 8)",
+                                       "DSA (top-48, indexer 4 x 16)"]
     assert rows[0]["keys_per_query"] == 64.5 and rows[0]["keys_last"] == 128
     assert [r["keys_last"] for r in rows[1:]] == [48, 48, 48]  # the defaults' matched budget: 48 keys
     assert rows[0]["kv_kb_token"] == 4 * 2 * 128 * 128 * 4 / 2**10  # layers, K and V, keys, H * D, float32
