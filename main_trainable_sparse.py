@@ -328,7 +328,7 @@ def parse_args(argv):
     add("--val-batches", type=harness.int_at_least(1), default=10, help="validation batches (of 32 x seqlen) for the loss")
     add("--bench-contexts", type=harness.int_at_least(2), nargs="+", default=[4096, 8192, 16384, 32768],
         help="cache lengths of the decode microbenchmark")
-    add("--bench-repeats", type=harness.int_at_least(1), default=5, help="timed rounds per context (median)")
+    add("--bench-repeats", type=harness.int_at_least(1), default=15, help="timed rounds per context (median)")
     args = parser.parse_args(argv)
 
     def check_args(preset):
