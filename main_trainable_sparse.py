@@ -164,7 +164,8 @@ def method_rows(base, data, preset, methods, steps, lr, warmup_steps, warmup_lr,
     meta = dict(base_sha256=base_sha, uptrain_steps=steps, lr=lr, seed=seed)
     S, device = preset.seqlen, next(base.parameters()).device
     windows = dsa.validation_windows(data, 8, S, seed + 2, device)
-    path = lambda tag, n: None if untrained else files.checkpoint_path(f"{preset.name}_tsparse_{tag}_s{n}")  # noqa: E731
+    def path(tag, n):
+        return None if untrained else files.checkpoint_path(f"{preset.name}_tsparse_{tag}_s{n}")
     models = {"dense": dense_copy(base), **build_sparse(base, methods)}
     tags = dict(dense="dense", MoBA="moba_b{}_k{}".format(*methods["MoBA"]),
                 NSA="nsa_b{}_n{}_w{}".format(*methods["NSA"]), DSA="dsa_k{}_h{}_d{}".format(*methods["DSA"]))
@@ -301,7 +302,8 @@ def summary_rows(rows, bench, steps, warmup_steps, preset):
             r["variant"], False, f"val loss {r['gap_uptrained']:+.4f} against dense after uptraining "
             f"({r['gap_inference']:+.4f} at inference only)", trained, training_text,
             "attention FLOPs and KV bytes read per token",
-            f"{dense['kflops_token'] / r['kflops_token']:.1f}x fewer FLOPs, {dense['kv_kb_token'] / r['kv_kb_token']:.1f}x "
+            f"{dense['kflops_token'] / r['kflops_token']:.1f}x fewer FLOPs, "
+            f"{dense['kv_kb_token'] / r['kv_kb_token']:.1f}x "
             f"fewer KV bytes at {preset.seqlen} tokens ({r['keys_last']} of {preset.seqlen} keys); decode attention "
             f"{bench[-1][f'{m}_ms']:.3f} ms against SDPA's {bench[-1]['dense_ms']:.3f} at {contexts[-1]:,} tokens",
             attention_summary.pays_from(contexts, [b[f"{m}_ms"] for b in bench], [b["dense_ms"] for b in bench])))
@@ -324,8 +326,10 @@ def parse_args(argv):
     add("--dsa-warmup-steps", type=harness.int_at_least(1), default=40, help="DSA: dense indexer warm-up steps")
     add("--dsa-warmup-lr", type=harness.positive_float, default=1e-3, help="DSA: warm-up learning rate")
     add("--uptrain-steps", type=harness.int_at_least(1), default=40, help="uptraining steps of every row")
-    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
-    add("--val-batches", type=harness.int_at_least(1), default=10, help="validation batches (of 32 x seqlen) for the loss")
+    add("--lr", type=harness.positive_float, default=None,
+        help="peak learning rate of uptraining (default: preset's / 3)")
+    add("--val-batches", type=harness.int_at_least(1), default=10,
+        help="validation batches (of 32 x seqlen) for the loss")
     add("--bench-contexts", type=harness.int_at_least(2), nargs="+", default=[4096, 8192, 16384, 32768],
         help="cache lengths of the decode microbenchmark")
     add("--bench-repeats", type=harness.int_at_least(1), default=15, help="timed rounds per context (median)")
@@ -371,12 +375,14 @@ def main(argv=None):
                                             peak_memory=False, caches=caches)
     bench = bench_rows(results, args.bench_contexts)
     tables = [harness.table("DSA's indexer after each stage (recall: the dense attention's mass on its top-k keys, "
-                            f"queries from position {min(args.dsa_top_k, preset.seqlen - 1)} on)", stages, STAGE_COLUMNS),
-              harness.table(f"one decode query over a random cache (batch 1, {preset.n_heads} heads of {preset.d_head}, "
+                            f"queries from position {min(args.dsa_top_k, preset.seqlen - 1)} on)", stages,
+                            STAGE_COLUMNS),
+              harness.table(f"one decode query over a random cache (batch 1, {preset.n_heads} heads of "
+                            f"{preset.d_head}, "
                             f"median of {args.bench_repeats}, selection included; MoBA blocks of {BENCH_MOBA[0]} "
                             f"top-{BENCH_MOBA[1]}, NSA blocks of {BENCH_NSA[0]} top-{BENCH_NSA[1]} window "
                             f"{BENCH_NSA[2]}, DSA top-{BENCH_DSA})", bench, BENCH_COLUMNS)]
-    dense, last = rows[0], bench[-1]
+    last = bench[-1]
     summary = [f"loss_inference: each method applied to the dense checkpoint as it is (DSA: after its "
                f"{args.dsa_warmup_steps}-step indexer warm-up); val_loss: after {steps} uptraining steps at peak lr "
                f"{lr:g} (dense: the same steps, the control; DSA: its sparse stage); gap_*: against dense",

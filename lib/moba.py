@@ -258,4 +258,5 @@ def moba_decode(q, K, V, mean_keys, block_size, top_k):
     idx = (top[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)  # [B, H, k * l]
     valid = idx < n  # the own block's slots after the query: not there yet
     idx = idx.clamp(max=n - 1)
-    return F.scaled_dot_product_attention(q, gather_tokens(K, idx), gather_tokens(V, idx), attn_mask=valid[:, :, None, :])
+    return F.scaled_dot_product_attention(q, gather_tokens(K, idx), gather_tokens(V, idx),
+                                          attn_mask=valid[:, :, None, :])

@@ -34,8 +34,8 @@ def test_moba_decode_is_the_last_row_of_moba_attention(n, block, top_k):
 def test_dsa_decode_attends_to_the_top_k_index_scores(n, top_k):
     q, K, V = random_cache(n)
     generator = torch.Generator().manual_seed(1)
-    index_keys, index_q, index_w = (torch.randn(2, n, 4, generator=generator), torch.randn(2, 3, 4, generator=generator),
-                                    torch.rand(2, 3, generator=generator))
+    index_keys, index_q = torch.randn(2, n, 4, generator=generator), torch.randn(2, 3, 4, generator=generator)
+    index_w = torch.rand(2, 3, generator=generator)
     out = dsa_decode(q, K, V, index_q, index_w, index_keys, top_k)
     for b in range(2):
         scores = [sum(index_w[b, j] * torch.relu(index_q[b, j] @ index_keys[b, s]) for j in range(3)) for s in range(n)]
@@ -50,8 +50,9 @@ def test_benchmark_passes_each_variants_cache():
     def with_cache(Q, K, V, means):
         seen["means"] = means.shape
         return Q
-    results = attention_benchmark.benchmark({"plain": lambda Q, K, V: Q, "cached": with_cache}, [32, 48], 1, 2, 8, "cpu",
-                                            repeats=1, n_queries=1, peak_memory=False,
+    variants = {"plain": lambda Q, K, V: Q, "cached": with_cache}
+    results = attention_benchmark.benchmark(variants, [32, 48], 1, 2, 8, "cpu", repeats=1, n_queries=1,
+                                            peak_memory=False,
                                             caches={"cached": lambda K, V: (moba.block_mean_keys(K, 16),)})
     assert seen["means"] == (1, 2, 3, 8)  # the last context's: 48 keys in blocks of 16
     assert results["plain"]["context"] == results["cached"]["context"] == [32, 48] and "peak_mb" not in results["plain"]
@@ -90,7 +91,8 @@ def test_main_trainable_sparse_runs_checks_and_writes_json_and_plot(real_data, t
     stages, bench = result["tables"][0]["rows"], result["tables"][1]["rows"]
     assert len(stages) == 3 and all(0 < s["indexer_recall"] <= 1 for s in stages)
     assert stages[1]["val_loss"] == rows[3]["loss_inference"] and stages[2]["val_loss"] == rows[3]["val_loss"]
-    assert [b["context"] for b in bench] == [256, 1024] and bench[1]["dsa_keys"] == 1024 and bench[1]["moba_keys"] == 1024
+    assert [b["context"] for b in bench] == [256, 1024]
+    assert bench[1]["dsa_keys"] == bench[1]["moba_keys"] == 1024
     assert bench[1]["nsa_keys"] == 1024 + 512 + 16  # selected (16 blocks of 64: all), window, summaries
     methods = result["attention_methods"]
     assert [m["method"] for m in methods] == [r["variant"] for r in rows[1:]]
@@ -101,9 +103,11 @@ def test_main_trainable_sparse_runs_checks_and_writes_json_and_plot(real_data, t
 
 
 @pytest.mark.parametrize("flags, flag", [
-    (["--nsa-block", "0"], "--nsa-block"), (["--nsa-block", "128"], "--nsa-block"), (["--nsa-top-n", "0"], "--nsa-top-n"),
-    (["--nsa-top-n", "16"], "--nsa-top-n"), (["--nsa-window", "0"], "--nsa-window"), (["--nsa-window", "128"], "--nsa-window"),
-    (["--moba-block", "0"], "--moba-block"), (["--moba-top-k", "8"], "--moba-top-k"), (["--dsa-top-k", "0"], "--dsa-top-k"),
+    (["--nsa-block", "0"], "--nsa-block"), (["--nsa-block", "128"], "--nsa-block"),
+    (["--nsa-top-n", "0"], "--nsa-top-n"), (["--nsa-top-n", "16"], "--nsa-top-n"),
+    (["--nsa-window", "0"], "--nsa-window"), (["--nsa-window", "128"], "--nsa-window"),
+    (["--moba-block", "0"], "--moba-block"), (["--moba-top-k", "8"], "--moba-top-k"),
+    (["--dsa-top-k", "0"], "--dsa-top-k"),
     (["--dsa-top-k", "128"], "--dsa-top-k"), (["--dsa-warmup-steps", "0"], "--dsa-warmup-steps"),
     (["--uptrain-steps", "0"], "--uptrain-steps"), (["--bench-contexts", "512", "256"], "--bench-contexts"),
     (["--bench-contexts", "1"], "--bench-contexts"), (["--plot", "m.txt"], "--plot"), (["--bogus"], "--bogus")])
