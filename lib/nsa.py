@@ -191,13 +191,6 @@ class GPTlite_NSA(GPTlite):
             block.mha.fixed_gates = None if gates is None else tuple(float(g) for g in gates)
         return self
 
-    def set_top_n(self, top_n):
-        check_nsa_args(self.config.block_size, top_n, self.config.window)
-        for block in self.blocks:
-            block.mha.top_n = top_n
-        self.config = dataclasses.replace(self.config, top_n=top_n)
-        return self
-
 
 def nsa_from_dense(base, block_size, top_n, window):
     """A GPTlite_NSA with the weights of the GPTlite `base` and fresh gates, on its device, in eval mode."""
