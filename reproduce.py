@@ -104,6 +104,11 @@ RUNS = [
     Run("main_moba", "main_moba.py", "docs/moba.md", "moba",
         "validation loss against keys read per query, and KV bytes read per token against context length",
         quick=("--uptrain-steps", "2", "--val-batches", "2", "--no-flex")),
+    Run("main_trainable_sparse", "main_trainable_sparse.py", "docs/trainable_sparse.md", "trainable_sparse",
+        "validation loss against keys read per query (inference only and uptrained), and decode attention time "
+        "against context",
+        quick=("--uptrain-steps", "1", "--dsa-warmup-steps", "1", "--val-batches", "1", "--bench-contexts", "256",
+               "512", "--bench-repeats", "1")),
     Run("main_sparse_attention", "main_sparse_attention.py", "docs/sparse_attention.md", "sparse_attention",
         "validation loss against KV budget per method, and streaming loss per 500 characters",
         quick=("--n-windows", "2", "--n-prompts", "2", "--n-tokens", "16", "--stream-chars", "1000",
