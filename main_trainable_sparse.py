@@ -355,6 +355,14 @@ def parse_args(argv):
     return (args, *harness.setup(args, parser, check_args))
 
 
+def headline(rows, steps, seqlen):
+    """The README's row: each method's loss gap to dense, at inference only and uptrained."""
+    return dict(technique=f"Trainable sparse attention (MoBA, NSA, DSA), {steps} uptraining steps",
+                figure=f"loss against dense at inference only / uptrained, at about {rows[1]['keys_last']} of {seqlen} "
+                       "keys: " + ", ".join(f"{r['variant'].split(' ')[0]} {r['gap_inference']:+.4f} / "
+                                            f"{r['gap_uptrained']:+.4f}" for r in rows[1:]))
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     steps, lr = training.uptrain_budget(preset, args.uptrain_steps, args.lr)
@@ -392,12 +400,8 @@ def main(argv=None):
                f"decode at {last['context']:,} tokens: dense {last['dense_ms']:.3f} ms, MoBA {last['moba_ms']:.3f}, "
                f"NSA {last['nsa_ms']:.3f}, DSA {last['dsa_ms']:.3f} ms"]
     summary += [f"check {name}: {'ok' if ok else 'NO'}" for name, ok in checks.items()]
-    headline = dict(technique=f"Trainable sparse attention (MoBA, NSA, DSA), {steps} uptraining steps",
-                    figure="loss against dense at inference only / uptrained, at about "
-                           f"{rows[1]['keys_last']} of {preset.seqlen} keys: " + ", ".join(
-                               f"{r['variant'].split(' ')[0]} {r['gap_inference']:+.4f} / {r['gap_uptrained']:+.4f}"
-                               for r in rows[1:]))
-    harness.report(args, "main_trainable_sparse.py", preset, device, rows, headline, summary=summary, tables=tables,
+    harness.report(args, "main_trainable_sparse.py", preset, device, rows, headline(rows, steps, preset.seqlen),
+                   summary=summary, tables=tables,
                    plot=lambda: plot_results(rows, bench, preset), methods={k: list(v) for k, v in methods.items()},
                    uptrain_steps=steps, lr=lr, dsa_warmup_steps=args.dsa_warmup_steps, checks=checks,
                    bench_settings=dict(moba=list(BENCH_MOBA), nsa=list(BENCH_NSA), dsa=BENCH_DSA),
