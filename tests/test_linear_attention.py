@@ -13,7 +13,8 @@ from conftest import TINY
 import inference_utils as iu
 import main_linear_attention as mla
 from gptlite_kvcache import GPTlite_KVCache
-from gptlite_linear import RULES, GPTlite_Linear, LinearAttention, chunked, recurrent, recurrent_step
+from gptlite_linear import (RULES, GPTlite_Linear, LinearAttention, chunked, decayed_products, recurrent,
+                            recurrent_step)
 from lib import harness, training
 from lib.errors import CheckpointError
 
@@ -94,13 +95,14 @@ def test_kda_with_a_decay_equal_across_channels_is_the_delta_rule():
     assert (recurrent(q, k, v, F.logsigmoid(torch.randn(B, H, 37, D)), beta)[0] - o_delta).abs().max() > 0.1
 
 
-def test_kda_chunked_is_stable_when_decays_underflow():
+@pytest.mark.parametrize("chunk_size", [16, 12, 5])  # sub-chunks of 8, 6 and 5 tokens
+def test_kda_chunked_is_stable_when_decays_underflow(chunk_size):
     """Decays of e^-20 .. e^-1 per token: a chunk's cumulative log decay reaches about -300, where e^{-G}
-    overflows float32; the pairwise [C, C, d_k] factors keep the chunked form finite and equal to the recurrent."""
+    overflows float32; the sub-chunks (decayed_products) keep the chunked form finite and equal to the recurrent."""
     q, k, v, _, beta = random_inputs("kda", 40)
     log_a = -torch.empty(B, H, 40, D).uniform_(1, 20, generator=torch.Generator().manual_seed(3))
     o_rec, S_rec = recurrent(q, k, v, log_a, beta)
-    o_chk, S_chk = chunked(q, k, v, log_a, beta, chunk_size=16)
+    o_chk, S_chk = chunked(q, k, v, log_a, beta, chunk_size=chunk_size)
     assert torch.isfinite(o_chk).all() and torch.isfinite(S_chk).all()
     torch.testing.assert_close(o_chk, o_rec, atol=ATOL, rtol=1e-5)
     torch.testing.assert_close(S_chk, S_rec, atol=ATOL, rtol=1e-5)
@@ -116,6 +118,19 @@ def test_kda_decays_start_near_one():
     assert log_a.shape == (2, TINY["n_heads"], 10, TINY["d_head"]) and beta.shape == (2, TINY["n_heads"], 10)
     assert 0.89 < log_a.exp().min() and log_a.exp().max() < 0.9995
     assert log_a.exp().std(-1).min() > 0  # per channel, not one per head
+
+
+@pytest.mark.parametrize("C", [32, 12, 7])
+def test_decayed_products_against_pairwise_factors(C):
+    """decayed_products against the sum written out: sum_c x_ic y_jc e^{G_ic - G_jc} for j <= i, 0 above."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(2, 2, C, D, generator=g, dtype=torch.float64).unbind(0)
+    G = (-torch.rand(2, C, D, generator=g, dtype=torch.float64)).cumsum(-2)
+    expected = torch.zeros(2, C, C, dtype=torch.float64)
+    for i in range(C):
+        for j in range(i + 1):
+            expected[:, i, j] = (x[:, i] * y[:, j] * (G[:, i] - G[:, j]).exp()).sum(-1)
+    torch.testing.assert_close(decayed_products(x, y, G), expected, atol=1e-12, rtol=0)
 
 
 def to_fla(x):
