@@ -353,11 +353,46 @@ def test_cached_model_saves_then_reuses(tmp_path):
     (["--recall-steps", "0"], "must be at least 1"),
     (["--recall-lr", "nan"], "finite number"),
     (["--plot", "out.txt"], "ending in .png"),
+    (["--lm-iters", "0"], "must be at least 1"),
+    (["--lm-iters", "5", "--full-recipe"], "--lm-iters: give --lm-iters or --full-recipe"),
+    (["--d-latent", "0"], "must be at least 1"),
+    (["--d-latent", "129"], "--d-latent: at most MLA's full rank"),  # cpu: min(2 * 4 * 32, 128) = 128
 ])
-def test_bad_flags_are_clear_errors(flags, message, capsys, real_data):
-    with pytest.raises(SystemExit):
+def test_bad_flags_are_clear_errors(flags, message, capsys, real_data, monkeypatch):
+    monkeypatch.setattr(mla, "train_language_models", lambda *a: pytest.fail("flags must be checked before any work"))
+    with pytest.raises(SystemExit) as e:
         mla.main(flags + ["--untrained", "--data", real_data_path()])
-    assert message in capsys.readouterr().err
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,iters,own_control", [([], mla.LM_ITERS, True), (["--lm-iters", "7"], 7, True),
+                                                     (["--full-recipe"], 800, False)])
+def test_every_language_model_is_trained_the_same_steps(flags, iters, own_control, monkeypatch, real_data):
+    """The softmax control and every linear model get one recipe of `iters` steps (the cpu preset's 800 with
+    --full-recipe, the control then being the preset's checkpoint), each with a checkpoint of its own."""
+    seen, loaded = {}, []
+
+    def cached_model(model, config, path, train, vocab, rebuild, stamp=None, untrained=False):
+        seen[path.name] = (stamp["iters"], type(model).__name__, config.get("d_latent"))
+        return model.eval(), None
+    monkeypatch.setattr(iu, "cached_model", cached_model)
+    monkeypatch.setattr(iu, "load_model", lambda cls, *a, **k: loaded.append(cls.__name__) or cls(**TINY).eval())
+    args, preset, _, data = mla.parse_args(flags + ["--data", real_data_path()])
+    models, _ = mla.train_language_models(preset, data, "cpu", False, 0, "rebuild", args.lm_iters, args.d_latent)
+    assert list(models) == ["softmax", *mla.KINDS]
+    assert {stamp for stamp, _, _ in seen.values()} == {iters}
+    names = {f"cpu_linear_{name}_i{iters}.pt" for name in ["linear", "gated", "delta", "hybrid", "kda", "kda_mla"]}
+    assert set(seen) == names | ({f"cpu_linear_softmax_i{iters}.pt"} if own_control else set())
+    assert loaded == ([] if own_control else ["GPTlite_KVCache"])
+    assert seen[f"cpu_linear_kda_mla_i{iters}.pt"] == (iters, "GPTlite_Linear", 32)  # a quarter of the full 128
+
+
+def by_context_kb(result, name, context):
+    return next(r["cache_kb"] for r in result["context_rows"] if r["variant"] == name and r["context"] == context)
+
+
+def by_context_ratio(result, name, context):
+    return f"{by_context_kb(result, 'softmax', context) / by_context_kb(result, name, context):.1f}x smaller"
 
 
 def real_data_path():
@@ -370,8 +405,15 @@ def test_main_end_to_end_untrained(tmp_path, real_data):
               "--n-tokens", "2", "--repeats", "1", "--val-batches", "1", "--pairs", "1", "3", "--recall-steps", "1",
               "--recall-seqlen", "8", "--recall-keys", "4", "--json", str(out), "--plot", str(tmp_path / "linear.png")])
     result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["rows"]] == ["softmax", "linear", "gated", "delta", "hybrid"]
-    assert all(result["checks"].values())
+    assert [r["variant"] for r in result["rows"]] == ["softmax", "linear", "gated", "delta", "hybrid", "kda", "kda+mla"]
+    assert all(result["checks"].values()) and len(result["checks"]) == 6
+    methods = result["attention_methods"]
+    assert [m["method"] for m in methods] == [mla.METHODS[name] for name in mla.KINDS]
+    assert all(not m["exact"] and m["training_steps"] == mla.LM_ITERS for m in methods)
+    assert by_context_ratio(result, "kda", 200) in methods[4]["reduction"]  # the measured cache ratio at 200
+    assert methods[0]["pays"].startswith(("from ", "not up to 200 tokens"))
+    # the MLA hybrid's cache: 3 KDA states [4 heads, 32, 32] and 200 latents of 32 (cpu preset), float32
+    assert by_context_kb(result, "kda+mla", 200) == round((3 * 4 * 32 * 32 + 200 * 32) * 4 / 1024, 1)
     by_context = {(r["variant"], r["context"]): r["cache_kb"] for r in result["context_rows"]}
     assert by_context[("delta", 8)] == by_context[("delta", 200)]  # constant state
     assert by_context[("softmax", 200)] == pytest.approx(25 * by_context[("softmax", 8)])  # KV cache: linear
@@ -390,7 +432,8 @@ def test_plot_changes_nothing_in_the_json_and_the_headline_and_tables_are_in_it(
         results.append(json.loads((tmp_path / "linear.json").read_text()))
     assert results[0].keys() == results[1].keys()
     assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
-    assert results[0]["headline"]["technique"].startswith("linear attention, gated, Gated DeltaNet and a 3:1 hybrid")
+    assert results[0]["headline"]["technique"].startswith("linear attention, gated, Gated DeltaNet, KDA and 3:1 hybrids, "
+                                                         f"trained {mla.LM_ITERS} steps")
     assert "; at 16 tokens cache " in results[0]["headline"]["figure"]
     assert "recall at 3 pairs: softmax " in results[0]["headline"]["figure"]
     titles = [t["title"] for t in results[0]["tables"]]
