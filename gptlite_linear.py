@@ -19,7 +19,8 @@ Four update rules (written in the issue's orientation, S of [d_v, d_k]):
   one per head, S_t = (S_{t-1} Diag(a_t)) (I - b_t k_t k_t^T) + b_t v_t k_t^T, a_t in (0, 1)^{d_k}:
   each channel of the keys forgets at its own rate. log a_t = -e^{A_h} softplus(W_up W_down x_t + dt), a
   low-rank projection as KDA's, with dt set so that the decays start between 0.90 and 0.999. (fla's
-  naive_recurrent_kda is the same recurrence, in the [d_k, d_v] layout, with its gate g = log a_t.)
+  naive_recurrent_kda is the same recurrence, in the [d_k, d_v] layout, with its gate g = log a_t; it
+  scales q by 1 / sqrt(d_k), which the output's RMSNorm below makes irrelevant, so we use 1.)
 
 "gated", "delta" and "kda" use L2-normalized queries and keys and normalize each head's output (RMSNorm without
 weights, as GLA and Gated DeltaNet do): the state sums up to 1/(1 - a) values, an unbounded scale.

@@ -13,8 +13,9 @@ Blog section: "Linear attention and hybrid models". Three parts, each with its o
    scratch with the preset's recipe (batch, learning rate, schedule) for the same number of steps:
    --lm-iters (default 100, so that the first run fits in 10 minutes on 2 CPU cores) or, with
    --full-recipe, the preset's own (800 for cpu; the control is then the preset's checkpoint). Files:
-   checkpoints/<preset>_linear_<name>_i<steps>.pt. Validation loss against the control's: a comparison
-   at equal training, short of converged models at the default budget.
+   checkpoints/<preset>_linear_<name>_i<steps>.pt (<preset>_linear_<name>.pt with --full-recipe).
+   Validation loss against the control's: a comparison at equal training, short of converged models at
+   the default budget.
 2. Memory and time against context length: the cache of one sequence (the linear layers' state is
    constant, the KV cache grows with the context) and the TPOT of greedy decoding after a prompt of each
    length. The linear models have no position table and run at any length; softmax GPTlite's table has
@@ -84,7 +85,8 @@ def mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator=None):
 def train_language_models(preset, data, device, untrained, seed, rebuild, iters, d_latent):
     """Softmax GPTlite (the control) and every kind of KINDS, all trained with the preset's recipe (batch,
     learning rate, schedule) for the same `iters` steps, each cached as checkpoints/<preset>_linear_<name>_i<iters>.pt.
-    The control at the preset's own step count is the preset's checkpoint (the same recipe)."""
+    At the preset's own step count (--full-recipe) the control is the preset's checkpoint (the same recipe) and
+    the files are checkpoints/<preset>_linear_<name>.pt, as before the step count was a flag."""
     recipe = iu.preset_recipe(preset, iters=iters, seed=seed)
     seconds = {}
     if iters == preset.iters:
@@ -98,7 +100,8 @@ def train_language_models(preset, data, device, untrained, seed, rebuild, iters,
         model_class = GPTlite_KVCache if kind is None else GPTlite_Linear
         torch.manual_seed(seed)
         train = lambda m, name=name: iu.train_recipe(m, data, recipe, f"training {name}")  # noqa: E731
-        path = files.checkpoint_path(f"{preset.name}_linear_{name.replace('+', '_')}_i{iters}")
+        suffix = "" if iters == preset.iters else f"_i{iters}"
+        path = files.checkpoint_path(f"{preset.name}_linear_{name.replace('+', '_')}{suffix}")
         models[name], seconds[name] = iu.cached_model(model_class(**config).to(device), config, path, train,
                                                       data.vocab, rebuild, stamp=recipe, untrained=untrained)
     return models, seconds
