@@ -11,7 +11,7 @@ Blog section: "Linear attention and hybrid models". Three parts, each with its o
    Linear's 3:1): "hybrid" (delta rule + softmax with a KV cache) and "kda+mla" (KDA + multi-head latent
    attention, Kimi Linear's own pair). Every model, a softmax GPTlite control included, is trained from
    scratch with the preset's recipe (batch, learning rate, schedule) for the same number of steps:
-   --lm-iters (default 100, so that the first run fits in 10 minutes on 2 CPU cores) or, with
+   --lm-iters (default 80, so that the first run fits in 10 minutes on 2 CPU cores) or, with
    --full-recipe, the preset's own (800 for cpu; the control is then the preset's checkpoint). Files:
    checkpoints/<preset>_linear_<name>_i<steps>.pt (<preset>_linear_<name>.pt with --full-recipe).
    Validation loss against the control's: a comparison at equal training, short of converged models at
@@ -46,7 +46,7 @@ from lib import attention_summary, corpus, files, harness, training
 # float32 logits (units to tens): the chunked form sums the same terms in another order. The "linear" rule's
 # undecayed sums of up to 128 positive terms differ by up to 2e-4 on the trained model (1e-13 in float64).
 ATOL = 1e-3
-LM_ITERS = 100  # the default training steps of every language model (the preset's recipe: --full-recipe)
+LM_ITERS = 80  # the default training steps of every language model (the preset's recipe: --full-recipe)
 # The language models: linear_config's arguments. "hybrid": Gated DeltaNet with softmax attention in every 4th
 # block; "kda+mla": Kimi Linear's layout, KDA with MLA (a latent cache, d_latent from --d-latent) every 4th.
 KINDS = {"linear": dict(rule="linear"), "gated": dict(rule="gated"), "delta": dict(rule="delta"),
