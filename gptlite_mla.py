@@ -1,6 +1,6 @@
 """GPTlite with multi-head latent attention (MLA, DeepSeek-V2): the cache holds one latent vector per token.
 
-Blog section: "Multi-head latent attention". The keys and values of every head are low-rank
+Blog section: "Smaller KV caches: MQA, GQA and MLA". The keys and values of every head are low-rank
 functions of one latent vector per token, c = W_down x (d_latent values):
 
     K = W_uk c + b_k,    V = W_uv c + b_v        (W_uk, W_uv: [n_heads * d_head, d_latent])
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from gptlite import GPTliteConfig, MultiHeadAttention
 from gptlite_gqa import grouped_query_attention
-from gptlite_kvcache import (GPTlite_KVCache, KVCache, check_cache_shape, layer_cache,
+from gptlite_kvcache import (Block_KVCache, GPTlite_KVCache, KVCache, check_cache_shape, layer_cache,
                              scaled_dot_product_attention_kv_cache)
 
 
@@ -83,6 +83,14 @@ class MultiHeadAttention_MLA(MultiHeadAttention):
         # sum_j w_j (W_uv c_j + b_v) = W_uv (sum_j w_j c_j) + b_v, since the weights sum to 1 (without dropout:
         # train with absorb=False)
         return torch.einsum("bhtl,hdl->bhtd", out, W_uv) + self.value_up.bias.view(H, 1, D)  # [B, H, T, D]
+
+
+class Block_MLA(Block_KVCache):
+    """GPTlite's block with MLA: forward(x, cache) -> (x, (latents,)), as Block_KVCache's with (keys, values)."""
+
+    def __init__(self, d_model, n_heads, d_head, dropout_p, d_latent, d_ff=None, absorb=True):
+        super().__init__(d_model, n_heads, d_head, dropout_p, d_ff)
+        self.mha = MultiHeadAttention_MLA(d_model, n_heads, d_head, dropout_p, d_latent, absorb)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,14 +1,21 @@
-"""Linear attention, gating, the delta rule and a 3:1 hybrid, trained and measured against softmax GPTlite.
+"""Linear attention, gating, the delta rule, KDA and 3:1 hybrids, trained and measured against softmax GPTlite.
 
     python main_linear_attention.py                    # cpu preset: trains the missing checkpoints first
+    python main_linear_attention.py --full-recipe      # every language model with the preset's 800 steps
     python main_linear_attention.py --contexts 128 512 2048 --json linear.json --plot linear.png
     python main_linear_attention.py --untrained --contexts 128 256 --recall-steps 2   # a quick smoke run
 
-Blog section: "Linear attention and hybrids". Three parts, each with its own table:
-1. Quality: GPTlite_Linear with the rules "linear", "gated" and "delta" (Gated DeltaNet), and the hybrid
-   (delta rule, every 4th block softmax attention, Kimi Linear's 3:1), trained with the preset's recipe
-   (steps, batch, learning rate) as checkpoints/<preset>_linear_<name>.pt; validation loss against the
-   softmax checkpoint.
+Blog section: "Linear attention and hybrid models". Three parts, each with its own table:
+1. Quality: GPTlite_Linear with the rules "linear", "gated", "delta" (Gated DeltaNet) and "kda" (Kimi Delta
+   Attention, a decay per key channel), and two hybrids with full attention in every 4th block (Kimi
+   Linear's 3:1): "hybrid" (delta rule + softmax with a KV cache) and "kda+mla" (KDA + multi-head latent
+   attention, Kimi Linear's own pair). Every model, a softmax GPTlite control included, is trained from
+   scratch with the preset's recipe (batch, learning rate, schedule) for the same number of steps:
+   --lm-iters (default 80, so that the first run fits in 10 minutes on 2 CPU cores) or, with
+   --full-recipe, the preset's own (800 for cpu; the control is then the preset's checkpoint). Files:
+   checkpoints/<preset>_linear_<name>_i<steps>.pt (<preset>_linear_<name>.pt with --full-recipe).
+   Validation loss against the control's: a comparison at equal training, short of converged models at
+   the default budget.
 2. Memory and time against context length: the cache of one sequence (the linear layers' state is
    constant, the KV cache grows with the context) and the TPOT of greedy decoding after a prompt of each
    length. The linear models have no position table and run at any length; softmax GPTlite's table has
@@ -33,12 +40,21 @@ import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import GPTlite_Linear, linear_config
-from lib import corpus, files, harness, training
+from gptlite_mla import max_latent
+from lib import attention_summary, corpus, files, harness, training
 
 # float32 logits (units to tens): the chunked form sums the same terms in another order. The "linear" rule's
 # undecayed sums of up to 128 positive terms differ by up to 2e-4 on the trained model (1e-13 in float64).
 ATOL = 1e-3
-KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None), "hybrid": ("delta", 4)}
+LM_ITERS = 80  # the default training steps of every language model (the preset's recipe: --full-recipe)
+# The language models: linear_config's arguments. "hybrid": Gated DeltaNet with softmax attention in every 4th
+# block; "kda+mla": Kimi Linear's layout, KDA with MLA (a latent cache, d_latent from --d-latent) every 4th.
+KINDS = {"linear": dict(rule="linear"), "gated": dict(rule="gated"), "delta": dict(rule="delta"),
+         "hybrid": dict(rule="delta", hybrid_every=4), "kda": dict(rule="kda"),
+         "kda+mla": dict(rule="kda", hybrid_every=4, hybrid_attention="mla")}
+METHODS = {"linear": "linear attention (elu + 1)", "gated": "gated linear attention (scalar decay)",
+           "delta": "Gated DeltaNet", "hybrid": "Gated DeltaNet + softmax, 3:1", "kda": "Kimi Delta Attention (KDA)",
+           "kda+mla": "KDA + MLA, 3:1 (Kimi Linear)"}  # the summary table's names
 RECALL = dict(d_model=64, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0)  # small: the state is 16 x 16 a head
 RECALL_KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None),
                 "hybrid": ("delta", 2)}  # 2 layers: the hybrid's second block is softmax
@@ -66,19 +82,28 @@ def mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator=None):
     return x, y
 
 
-def train_language_models(preset, data, device, untrained, seed, rebuild):
-    """Softmax GPTlite (the preset's checkpoint) and the four linear kinds, trained with its recipe."""
-    models = {"softmax": iu.load_model(GPTlite_KVCache, preset, device, data, untrained=untrained, seed=seed)}
+def train_language_models(preset, data, device, untrained, seed, rebuild, iters, d_latent):
+    """Softmax GPTlite (the control) and every kind of KINDS, all trained with the preset's recipe (batch,
+    learning rate, schedule) for the same `iters` steps, each cached as checkpoints/<preset>_linear_<name>_i<iters>.pt.
+    At the preset's own step count (--full-recipe) the control is the preset's checkpoint (the same recipe) and
+    the files are checkpoints/<preset>_linear_<name>.pt, as before the step count was a flag."""
+    recipe = iu.preset_recipe(preset, iters=iters, seed=seed)
     seconds = {}
-    recipe = iu.preset_recipe(preset, seed=seed)
-    for name, (rule, hybrid_every) in KINDS.items():
-        config = linear_config(preset.gptlite_kwargs(), rule, hybrid_every)
+    if iters == preset.iters:
+        models = {"softmax": iu.load_model(GPTlite_KVCache, preset, device, data, untrained=untrained, seed=seed)}
+        kinds = dict(KINDS)
+    else:
+        models, kinds = {}, {"softmax": None, **KINDS}
+    for name, kind in kinds.items():
+        config = preset.gptlite_kwargs() if kind is None else linear_config(
+            preset.gptlite_kwargs(), **kind, **({"d_latent": d_latent} if kind.get("hybrid_attention") else {}))
+        model_class = GPTlite_KVCache if kind is None else GPTlite_Linear
         torch.manual_seed(seed)
         train = lambda m, name=name: iu.train_recipe(m, data, recipe, f"training {name}")  # noqa: E731
-        model, seconds[name] = iu.cached_model(GPTlite_Linear(**config).to(device), config,
-                                               files.checkpoint_path(f"{preset.name}_linear_{name}"), train,
-                                               data.vocab, rebuild, stamp=recipe, untrained=untrained)
-        models[name] = model
+        suffix = "" if iters == preset.iters else f"_i{iters}"
+        path = files.checkpoint_path(f"{preset.name}_linear_{name.replace('+', '_')}{suffix}")
+        models[name], seconds[name] = iu.cached_model(model_class(**config).to(device), config, path, train,
+                                                      data.vocab, rebuild, stamp=recipe, untrained=untrained)
     return models, seconds
 
 
@@ -202,13 +227,36 @@ def quality_rows(models, data, window, val_batches, checks, seconds):
     return quality
 
 
-def headline(quality, context, recall, pairs, preset):
+def attention_methods(quality, context, iters):
+    """The summary of attention methods' rows (lib/attention_summary.py), one per linear model and hybrid: the
+    validation loss against the softmax control trained as many steps, the cache against softmax's KV cache at
+    the longest context, and from which context its TPOT is below softmax's."""
+    contexts = sorted({row["context"] for row in context})
+    longest = contexts[-1]
+    at = {(row["variant"], row["context"]): row for row in context}
+    softmax = at["softmax", longest]["cache_kb"]
+    rows = []
+    for row in quality:
+        name = row["variant"]
+        if name == "softmax":
+            continue
+        cache = at[name, longest]["cache_kb"]
+        rows.append(attention_summary.method_row(
+            METHODS[name], False, f"val loss {row['loss_vs_softmax']:+.3f} against softmax trained the same {iters} "
+            "steps", iters, f"trained from scratch, {iters} steps", "KV cache",
+            f"{softmax / cache:.1f}x smaller at {longest:,} tokens ({cache:,.1f} against {softmax:,.1f} KiB per "
+            "sequence)", attention_summary.pays_from(contexts, [at[name, c]["tpot_ms"] for c in contexts],
+                                                     [at["softmax", c]["tpot_ms"] for c in contexts], "TPOT")))
+    return rows
+
+
+def headline(quality, context, recall, pairs, iters):
     """The README's row: the losses against softmax, cache and TPOT at the longest context, recall at the most pairs."""
     longest = max(row["context"] for row in context)
     at = {row["variant"]: row for row in context if row["context"] == longest}
     most = max(pairs)
     ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    return dict(technique=f"linear attention, gated, Gated DeltaNet and a 3:1 hybrid, trained {preset.iters} steps",
+    return dict(technique=f"linear attention, gated, Gated DeltaNet, KDA and 3:1 hybrids, trained {iters} steps",
                 figure="val loss against softmax: " + ", ".join(f"{row['variant']} {row['loss_vs_softmax']:+.3f}"
                                                                 for row in quality if row["variant"] != "softmax")
                 + f"; at {longest} tokens cache {at['delta']['cache_kb']:.0f} against {at['softmax']['cache_kb']:.0f} KiB, "
@@ -244,6 +292,12 @@ def parse_args(argv):
         help="prompt lengths of the memory and time part (tokens)")
     harness.add_generation_flags(parser, batch_size=4, n_tokens=16, repeats=3, least_tokens=1)
     add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
+    add("--lm-iters", type=harness.int_at_least(1), default=None,
+        help=f"training steps of every language model, the softmax control included (default {LM_ITERS})")
+    add("--full-recipe", action="store_true",
+        help="train every language model with the preset's full recipe (its own step count, e.g. 800 for cpu)")
+    add("--d-latent", type=harness.int_at_least(1), default=None,
+        help="values per token of the kda+mla hybrid's latent cache (default: a quarter of MLA's full rank)")
     add("--pairs", type=harness.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
         help="numbers of key-value pairs of the recall evaluation (the largest is also the training maximum)")
     add("--recall-steps", type=harness.int_at_least(1), default=1000, help="training steps of each recall model")
@@ -254,6 +308,14 @@ def parse_args(argv):
     args.contexts, args.pairs = sorted(set(args.contexts)), sorted(set(args.pairs))
 
     def check_args(preset):
+        if args.full_recipe and args.lm_iters is not None:
+            parser.error(f"--lm-iters: give --lm-iters or --full-recipe (the preset's {preset.iters} steps), not both")
+        args.lm_iters = preset.iters if args.full_recipe else args.lm_iters or LM_ITERS
+        full = max_latent(preset.n_heads, preset.d_head, preset.d_model)
+        if args.d_latent is not None and args.d_latent > full:
+            parser.error(f"--d-latent: at most MLA's full rank min(2 * n_heads * d_head, d_model) = {full} for "
+                         f"preset {preset.name}, got {args.d_latent}")
+        args.d_latent = args.d_latent or max(1, full // 4)
         if max(args.pairs) > args.recall_keys or 2 * max(args.pairs) + 2 > args.recall_seqlen:
             parser.error(f"--pairs: at most --recall-keys={args.recall_keys} pairs, and 2 * pairs + 2 <= "
                          f"--recall-seqlen={args.recall_seqlen}; got {max(args.pairs)}")
@@ -291,7 +353,8 @@ def recall_bytes(config, n_sequences):
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     rebuild = files.rebuild_command("main_linear_attention.py", argv, preset)
-    models, seconds = train_language_models(preset, data, device, args.untrained, args.seed, rebuild)
+    models, seconds = train_language_models(preset, data, device, args.untrained, args.seed, rebuild, args.lm_iters,
+                                            args.d_latent)
     window = corpus.sample_prompts(data, 2, preset.seqlen, seed=args.seed, device=device)
     checks = {name: forms_agree(model, window) for name, model in models.items() if name != "softmax"}
     harness.require_checks({f"{name}: chunked, recurrent and cached decoding agree": ok for name, ok in checks.items()})
@@ -301,8 +364,8 @@ def main(argv=None):
                            args.seed)
     recall = recall_rows(args.pairs, args.recall_steps, args.recall_lr, args.recall_keys, args.recall_seqlen,
                          args.seed, preset, device, rebuild, args.untrained)
-    print(f"\n1. quality: {preset.iters} steps each (batch {preset.batch_size}, lr {preset.lr:g}); cache of one "
-          f"sequence of {preset.seqlen} tokens")
+    print(f"\n1. quality: {args.lm_iters} steps each, the softmax control too (batch {preset.batch_size}, lr "
+          f"{preset.lr:g}); cache of one sequence of {preset.seqlen} tokens; kda+mla latents of {args.d_latent}")
     tables = [harness.table("Cache per sequence and TPOT after a prompt of each length:", context),
               harness.table("Associative recall (MQAR): accuracy of the answers against the number of key-value pairs:",
                             recall)]
@@ -315,10 +378,12 @@ def main(argv=None):
                f"layers x {RECALL['n_heads']} heads of {RECALL['d_head']}, {args.recall_steps} steps each; accuracy "
                "of the answers on 256 sequences per pair count"]
     harness.report(args, "main_linear_attention.py", preset, device, quality,
-                   headline(quality, context, recall, args.pairs, preset), summary=summary, tables=tables,
+                   headline(quality, context, recall, args.pairs, args.lm_iters), summary=summary, tables=tables,
                    plot=lambda: plot_results(quality, context, recall, args.pairs, preset, device),
                    context_rows=context, context_columns=harness.table_columns(context), recall_rows=recall,
-                   recall_columns=harness.table_columns(recall), recall_pairs=args.pairs, checks=checks)
+                   recall_columns=harness.table_columns(recall), recall_pairs=args.pairs, checks=checks,
+                   lm_iters=args.lm_iters, d_latent=args.d_latent,
+                   attention_methods=attention_methods(quality, context, args.lm_iters))
 
 
 if __name__ == "__main__":
