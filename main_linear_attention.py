@@ -27,14 +27,11 @@ plus one-token decoding with the carried state gives the logits of the full pass
 unless they pass.
 """
 import dataclasses
-import math
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import inference_utils as iu
-from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import GPTlite_Linear, linear_config
 from lib import corpus, files, harness, training
@@ -44,11 +41,13 @@ from lib import recall as mqar
 # undecayed sums of up to 128 positive terms differ by up to 2e-4 on the trained model (1e-13 in float64).
 ATOL = 1e-3
 KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None), "hybrid": ("delta", 4)}
-# The recall recipes (the flags override them): the CPU default fits ~3.5 minutes for every model on 2
-# cores; the full one follows Zoology's MQAR sweep (more steps, d_model 128) and takes far longer.
-RECALL_PAIRS, RECALL_KEYS, RECALL_SEQLEN = [1, 2, 4, 8], 16, 32  # the task: tokens 0..32, 4 x 8 pairs <= 32
-RECALL_QUICK = dict(steps=600, lr=3e-3, batch_size=64, d_model=None)
-RECALL_FULL = dict(steps=6000, lr=1e-3, batch_size=128, d_model=128)
+# The recall recipes (lib/recall.py; the flags override them). The CPU default: sequences of 24 tokens, 12 keys,
+# 1500 steps of 64 sequences a model, about 3.5 minutes for all of them on 2 cores. The full one is
+# Zoology-like (its smallest task, 64 tokens and up to 16 pairs, thousands of steps): far longer.
+RECALL_QUICK = dict(pairs=[2, 3, 4, 6], keys=12, seqlen=24, steps=1500, lr=1e-3, batch_size=64, d_model=None)
+RECALL_FULL = dict(pairs=[2, 4, 8, 12, 16], keys=32, seqlen=64, steps=6000, lr=1e-3, batch_size=64, d_model=None)
+
+
 def train_language_models(preset, data, device, untrained, seed, rebuild):
     """Softmax GPTlite (the preset's checkpoint) and the four linear kinds, trained with its recipe."""
     models = {"softmax": iu.load_model(GPTlite_KVCache, preset, device, data, untrained=untrained, seed=seed)}
@@ -175,20 +174,22 @@ def parse_args(argv):
         help="prompt lengths of the memory and time part (tokens)")
     harness.add_generation_flags(parser, batch_size=4, n_tokens=16, repeats=3, least_tokens=1)
     add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
-    add("--pairs", type=harness.int_at_least(1), nargs="+", default=RECALL_PAIRS,
-        help="numbers of key-value pairs of the recall evaluation (training draws 1 to the largest)")
+    add("--pairs", type=harness.int_at_least(1), nargs="+",
+        help="numbers of key-value pairs of the recall evaluation; training draws 1 to the largest (default: the recipe's)")
     add("--recall-full", action="store_true",
         help=f"the Zoology-like recall recipe {RECALL_FULL} instead of the CPU default {RECALL_QUICK}")
     add("--recall-steps", type=harness.int_at_least(1), help="training steps of each recall model (default: the recipe's)")
     add("--recall-lr", type=harness.positive_float, help="peak learning rate of the recall models (default: the recipe's)")
     add("--recall-batch", type=harness.int_at_least(1), help="sequences per recall training step (default: the recipe's)")
-    add("--recall-keys", type=harness.int_at_least(2), default=RECALL_KEYS,
-        help="distinct keys (and as many values) of the recall task")
-    add("--recall-seqlen", type=harness.int_at_least(4), default=RECALL_SEQLEN,
-        help="length of a recall sequence: at least 4 x the most --pairs")
+    add("--recall-keys", type=harness.int_at_least(2),
+        help="distinct keys (and as many values) of the recall task (default: the recipe's)")
+    add("--recall-seqlen", type=harness.int_at_least(4),
+        help="length of a recall sequence, at least 4 x the most --pairs (default: the recipe's)")
     args = parser.parse_args(argv)
-    args.contexts, args.pairs = sorted(set(args.contexts)), sorted(set(args.pairs))
     recipe = RECALL_FULL if args.recall_full else RECALL_QUICK
+    args.contexts, args.pairs = sorted(set(args.contexts)), sorted(set(args.pairs or recipe["pairs"]))
+    args.recall_keys = args.recall_keys or recipe["keys"]
+    args.recall_seqlen = args.recall_seqlen or recipe["seqlen"]
     args.recall_steps = args.recall_steps or recipe["steps"]
     args.recall_lr = args.recall_lr or recipe["lr"]
     args.recall_batch = args.recall_batch or recipe["batch_size"]

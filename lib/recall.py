@@ -15,8 +15,6 @@ attention layer must write every pair into its fixed state, so its accuracy fall
     inputs   k1 v1 k2 v2 k3 v3  0 k2  0  0 k1  0 k3  0 ...
     targets   .  .  .  .  .  .  . v2  .  . v1  . v3  . ...
 """
-import math
-
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -91,19 +89,29 @@ def model_config(n_keys, seqlen, rule=None, hybrid_every=None, d_model=None):
     return base if rule is None else linear_config(base, rule, hybrid_every)
 
 
-def train(model, steps, lr, pairs, seqlen, n_keys, batch_size, seed, desc, warmup=None):
-    """AdamW, linear warm-up then cosine decay to 0; each step a fresh batch of a pair count drawn from
-    1..max(pairs) (one model for every count); the loss on the answers only."""
+def lr_at(step, steps, lr, warmup):
+    """Linear warm-up, constant, then linear decay to 0 over the last fifth of the steps. A constant phase
+    rather than a cosine: these models sit on a plateau (chance accuracy) for hundreds of steps before the
+    lookup circuit forms, and a decaying rate lengthens the plateau."""
+    decay_from = int(0.8 * steps)
+    return lr * min(1, (step + 1) / warmup) * min(1, (steps - step) / max(1, steps - decay_from))
+
+
+def train(model, steps, lr, pairs, seqlen, n_keys, batch_size, seed, desc, warmup=100):
+    """AdamW without weight decay (0.1 keeps these small models on the plateau); each step a fresh batch
+    of a pair count drawn from 1..max(pairs) (one model for every count), each batch only as long as its
+    pairs need (4 x pairs tokens, at least 8, at most seqlen: short sequences form the circuit sooner and
+    cost less); the loss on the answers only."""
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    warmup = warmup or max(1, steps // 10)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
     for step in (bar := tqdm(range(steps), desc=desc, dynamic_ncols=True, mininterval=1)):
         for group in optimizer.param_groups:
-            group["lr"] = lr * min(1, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+            group["lr"] = lr_at(step, steps, lr, min(warmup, steps))
         n_pairs = int(torch.randint(1, max(pairs) + 1, (1,), generator=generator))
-        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
+        length = min(seqlen, max(8, 4 * n_pairs))
+        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, length, n_keys, generator))
         loss = F.cross_entropy(training.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
         training.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
         optimizer.zero_grad(set_to_none=True)
@@ -151,8 +159,8 @@ def recall_rows(pairs, steps, lr, n_keys, seqlen, seed, batch_size=64, d_model=N
 def plot_recall(ax_pairs, ax_state, rows, pairs, seqlen):
     """Accuracy against the pairs (one line per model), and at the most pairs against the state bytes."""
     for r in rows:
-        ax_pairs.plot(pairs, [r[f"acc_{p}"] for p in pairs], marker="o", label=r["variant"])
-        ax_state.scatter(r["state_kb"], r[f"acc_{max(pairs)}"], label=r["variant"])
+        line, = ax_pairs.plot(pairs, [r[f"acc_{p}"] for p in pairs], marker="o", label=r["variant"])
+        ax_state.scatter(r["state_kb"], r[f"acc_{max(pairs)}"], color=line.get_color(), label=r["variant"])
         ax_state.annotate(r["variant"], (r["state_kb"], r[f"acc_{max(pairs)}"]), fontsize=8,
                           xytext=(4, 4), textcoords="offset points")
     ax_pairs.set(xlabel="key-value pairs in the context", ylabel="recall accuracy", ylim=(0, 1.02),
