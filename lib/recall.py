@@ -99,9 +99,8 @@ def lr_at(step, steps, lr, warmup):
 
 def train(model, steps, lr, pairs, seqlen, n_keys, batch_size, seed, desc, warmup=100):
     """AdamW without weight decay (0.1 keeps these small models on the plateau); each step a fresh batch
-    of a pair count drawn from 1..max(pairs) (one model for every count), each batch only as long as its
-    pairs need (4 x pairs tokens, at least 8, at most seqlen: short sequences form the circuit sooner and
-    cost less); the loss on the answers only."""
+    of seqlen tokens and a pair count drawn from 1..max(pairs) (one model for every count); the loss on the
+    answers only. (Batches only as long as their pairs need were tried: they stalled softmax GPTlite.)"""
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -110,8 +109,7 @@ def train(model, steps, lr, pairs, seqlen, n_keys, batch_size, seed, desc, warmu
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, min(warmup, steps))
         n_pairs = int(torch.randint(1, max(pairs) + 1, (1,), generator=generator))
-        length = min(seqlen, max(8, 4 * n_pairs))
-        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, length, n_keys, generator))
+        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
         loss = F.cross_entropy(training.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
         training.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
         optimizer.zero_grad(set_to_none=True)
