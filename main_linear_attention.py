@@ -42,7 +42,7 @@ from lib import recall as mqar
 ATOL = 1e-3
 KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None), "hybrid": ("delta", 4)}
 # The recall recipes (lib/recall.py; the flags override them). The CPU default: sequences of 24 tokens, 12 keys,
-# 2000 steps of 64 sequences a model, about 3.5 minutes for all of them on 2 cores. The full one is
+# 2000 steps of 64 sequences a model: about 4.5 minutes for the five (one core each, estimated). The full one is
 # Zoology-like (its smallest task, 64 tokens and up to 16 pairs, thousands of steps): far longer.
 RECALL_QUICK = dict(pairs=[2, 3, 4, 6], keys=12, seqlen=24, steps=2000, lr=1e-3, batch_size=64, d_model=None)
 RECALL_FULL = dict(pairs=[2, 4, 8, 12, 16], keys=32, seqlen=64, steps=6000, lr=1e-3, batch_size=64, d_model=None)
