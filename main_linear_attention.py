@@ -4,6 +4,7 @@
     python main_linear_attention.py --full-recipe      # every language model with the preset's 800 steps
     python main_linear_attention.py --contexts 128 512 2048 --json linear.json --plot linear.png
     python main_linear_attention.py --untrained --contexts 128 256 --recall-steps 2   # a quick smoke run
+    python main_linear_attention.py --recall-full      # recall part: Zoology-like recipe (minutes per model)
 
 Blog section: "Linear attention and hybrid models". Three parts, each with its own table:
 1. Quality: GPTlite_Linear with the rules "linear", "gated", "delta" (Gated DeltaNet) and "kda" (Kimi Delta
@@ -21,27 +22,28 @@ Blog section: "Linear attention and hybrid models". Three parts, each with its o
    length. The linear models have no position table and run at any length; softmax GPTlite's table has
    seqlen rows, so beyond it the softmax rows are timed with its last position row repeated: timing
    only (decoding cost does not depend on the weights' values), its text there is not meaningful.
-3. Recall (Zoology's MQAR): key-value pairs, then queries of the keys; small models of each kind
-   trained on it (checkpoints/<preset>_recall_<name>.pt); accuracy of the answers against the number
-   of pairs. A fixed-size state must hold every pair; a KV cache keeps them all.
+3. Recall (Zoology's MQAR, lib/recall.py): key-value pairs, then each key queried once; one small model
+   of each kind (softmax, hybrid, and every rule of gptlite_linear.RULES) trained on a mix of pair
+   counts (checkpoints/mqar_<settings>_<name>.pt), the loss on the answers only; accuracy against the
+   number of pairs and against the bytes of the state or KV cache. A fixed-size state must hold every
+   pair; a KV cache keeps them all. The CPU default is a short recipe (RECALL_QUICK below);
+   --recall-full runs a Zoology-like one (RECALL_FULL: more steps, wider models).
 
 Checks first: every linear model's chunked form gives the logits of its recurrent form, and prefill
 plus one-token decoding with the carried state gives the logits of the full pass. Nothing is written
 unless they pass.
 """
 import dataclasses
-import math
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import inference_utils as iu
-from gptlite import GPTlite
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import GPTlite_Linear, linear_config
 from gptlite_mla import max_latent
 from lib import attention_summary, corpus, files, harness, training
+from lib import recall as mqar
 
 # float32 logits (units to tens): the chunked form sums the same terms in another order. The "linear" rule's
 # undecayed sums of up to 128 positive terms differ by up to 2e-4 on the trained model (1e-13 in float64).
@@ -55,31 +57,13 @@ KINDS = {"linear": dict(rule="linear"), "gated": dict(rule="gated"), "delta": di
 METHODS = {"linear": "linear attention (elu + 1)", "gated": "gated linear attention (scalar decay)",
            "delta": "Gated DeltaNet", "hybrid": "Gated DeltaNet + softmax, 3:1", "kda": "Kimi Delta Attention (KDA)",
            "kda+mla": "KDA + MLA, 3:1 (Kimi Linear)"}  # the summary table's names
-RECALL = dict(d_model=64, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0)  # small: the state is 16 x 16 a head
-RECALL_KINDS = {"linear": ("linear", None), "gated": ("gated", None), "delta": ("delta", None),
-                "hybrid": ("delta", 2)}  # 2 layers: the hybrid's second block is softmax
-
-
-def mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator=None):
-    """Multi-query associative recall: n_pairs (key, value) pairs, then (key, value) queries of those keys
-    until seqlen. Keys are tokens 0..n_keys-1, values n_keys..2*n_keys-1, a random map per sequence.
-    Returns inputs x [B, seqlen] and targets y [B, seqlen]: a query's value at its key's position, -100
-    (ignored) elsewhere."""
-    if not 1 <= n_pairs <= n_keys or 2 * n_pairs + 2 > seqlen:
-        raise ValueError(f"n_pairs must be between 1 and n_keys={n_keys}, with room for a query in seqlen={seqlen} "
-                         f"(2 * n_pairs + 2 <= seqlen), got {n_pairs}")
-    keys = torch.rand(batch_size, n_keys, generator=generator).argsort(-1)[:, :n_pairs]  # distinct keys [B, P]
-    values = n_keys + torch.randint(n_keys, (batch_size, n_pairs), generator=generator)  # [B, P]
-    n_queries = (seqlen - 2 * n_pairs) // 2
-    pick = torch.randint(n_pairs, (batch_size, n_queries), generator=generator)  # [B, Q]
-    pairs = torch.stack([keys, values], -1).flatten(1)  # [B, 2P]: k v k v ...
-    queries = torch.stack([keys.gather(1, pick), values.gather(1, pick)], -1).flatten(1)  # [B, 2Q]
-    x = torch.cat([pairs, queries], 1)
-    x = F.pad(x, (0, seqlen - x.shape[1]))  # an odd remainder: one padding token, never a target
-    y = torch.full_like(x, -100)
-    answer = torch.arange(2 * n_pairs, 2 * n_pairs + 2 * n_queries, 2)  # the query keys' positions
-    y[:, answer] = x[:, answer + 1]
-    return x, y
+# The recall recipes (lib/recall.py; the flags override them). The CPU default: sequences of 16 tokens, 8 keys,
+# 600 steps of 256 sequences of 1 to 4 pairs a model (a pair alone is answered by position, so the table starts
+# at 2). Batches of 256 at lr 1e-3: softmax GPTlite solved the task for every seed tried; batches of 64 (2,000
+# steps) or lr 3e-3 left it on the plateau for some seeds. The full one is Zoology-like (its smallest task, 64
+# tokens and up to 16 pairs): far longer, not run on CPU here.
+RECALL_QUICK = dict(pairs=[2, 3, 4], keys=8, seqlen=16, steps=600, lr=1e-3, batch_size=256, d_model=None)
+RECALL_FULL = dict(pairs=[2, 4, 8, 12, 16], keys=32, seqlen=64, steps=4000, lr=1e-3, batch_size=256, d_model=None)
 
 
 def train_language_models(preset, data, device, untrained, seed, rebuild, iters, d_latent):
@@ -161,56 +145,6 @@ def context_rows(models, data, contexts, batch_size, n_tokens, repeats, device, 
     return rows
 
 
-def train_recall(model, steps, lr, n_pairs_max, seqlen, n_keys, batch_size, seed, desc, device="cpu"):
-    """AdamW with warm-up and cosine decay on MQAR batches of 1..n_pairs_max pairs; loss on the answers."""
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
-    model.train()
-    for step in (bar := tqdm(range(steps), desc=desc, dynamic_ncols=True, mininterval=0.5)):
-        for group in optimizer.param_groups:
-            group["lr"] = lr * min(1, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        n_pairs = int(torch.randint(1, n_pairs_max + 1, (1,), generator=generator))
-        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
-        loss = F.cross_entropy(training.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
-        training.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 20 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    model.eval()
-
-
-@torch.inference_mode()
-def recall_accuracy(model, n_pairs, seqlen, n_keys, n_sequences=256, seed=4321):
-    """Fraction of the query answers that the model's argmax gets right, on fixed-seed MQAR sequences."""
-    x, y = mqar_batch(n_sequences, n_pairs, seqlen, n_keys, torch.Generator().manual_seed(seed + n_pairs))
-    device = next(model.parameters(), x).device  # the model's (x's for a model without parameters)
-    predicted = training.logits_of(model(x.to(device))).argmax(-1).cpu()
-    answers = y != -100
-    return (predicted[answers] == y[answers]).float().mean().item()
-
-
-def recall_rows(pairs, steps, lr, n_keys, seqlen, seed, preset, device, rebuild, untrained):
-    """Train (or load) one small model of each kind on MQAR, then accuracy against the number of pairs."""
-    base = dict(RECALL, vocab_size=2 * n_keys, seqlen=seqlen)
-    kinds = {"softmax": (GPTlite, base), **{name: (GPTlite_Linear, linear_config(base, rule, every))
-                                            for name, (rule, every) in RECALL_KINDS.items()}}
-    rows = []
-    for name, (model_class, config) in kinds.items():
-        def train(model):
-            train_recall(model, steps, lr, max(pairs), seqlen, n_keys, 64, seed, f"recall {name}", device)
-        path = files.checkpoint_path(f"{preset.name}_recall_{name}_s{steps}")
-        stamp = dict(steps=steps, lr=lr, pairs=max(pairs), seed=seed)
-        torch.manual_seed(seed)
-        model, _ = iu.cached_model(model_class(**config).to(device), config, path, train, f"mqar{n_keys}", rebuild,
-                                   stamp=stamp, untrained=untrained)
-        rows.append(harness.make_row(name, **{f"acc_{p}_pairs": round(recall_accuracy(model, p, seqlen, n_keys), 3)
-                                              for p in pairs}))
-    return rows
-
-
 def quality_rows(models, data, window, val_batches, checks, seconds):
     """Per language model: parameters, validation loss (and against softmax's), cache of one window, checks."""
     softmax_loss = training.validation_loss(models["softmax"], data, val_batches)
@@ -261,12 +195,13 @@ def headline(quality, context, recall, pairs, iters):
                                                                 for row in quality if row["variant"] != "softmax")
                 + f"; at {longest} tokens cache {at['delta']['cache_kb']:.0f} against {at['softmax']['cache_kb']:.0f} KiB, "
                 f"TPOT {ms(at['delta']['tpot_ms'])} against {ms(at['softmax']['tpot_ms'])} ms; recall at {most} pairs: "
-                + ", ".join(f"{row['variant']} {row[f'acc_{most}_pairs']:.2f}" for row in recall))
+                + ", ".join(f"{row['variant']} {row[f'acc_{most}']:.2f}" for row in recall))
 
 
-def plot_results(quality, context, recall, pairs, preset, device):
-    """Cache per sequence and TPOT against context, recall accuracy against key-value pairs: the figure."""
-    fig, (ax_mem, ax_time, ax_recall) = harness.new_figure(3)
+def plot_results(quality, context, recall, pairs, recall_seqlen, preset, device):
+    """Cache per sequence and TPOT against context, recall accuracy against key-value pairs and against the
+    state bytes: the figure."""
+    fig, (ax_mem, ax_time, ax_recall, ax_state) = harness.new_figure(4)
     for name in dict.fromkeys(r["variant"] for r in context):
         rows = [r for r in context if r["variant"] == name]
         ax_mem.plot([r["context"] for r in rows], [r["cache_kb"] for r in rows], marker="o", label=name)
@@ -275,11 +210,8 @@ def plot_results(quality, context, recall, pairs, preset, device):
                title=f"state against KV cache (preset {preset.name})")
     ax_time.set(xlabel="context (tokens)", ylabel="TPOT (ms)", xscale="log", ylim=(0, None),
                 title=f"greedy decoding after a prompt ({device})")
-    for r in recall:
-        ax_recall.plot(pairs, [r[f"acc_{p}_pairs"] for p in pairs], marker="o", label=r["variant"])
-    ax_recall.set(xlabel="key-value pairs in the context", ylabel="recall accuracy", ylim=(0, 1.02),
-                  title="associative recall (MQAR), small models")
-    for ax in (ax_mem, ax_time, ax_recall):
+    mqar.plot_recall(ax_recall, ax_state, recall, pairs, recall_seqlen)
+    for ax in (ax_mem, ax_time):
         ax.legend()
     return fig
 
@@ -298,14 +230,26 @@ def parse_args(argv):
         help="train every language model with the preset's full recipe (its own step count, e.g. 800 for cpu)")
     add("--d-latent", type=harness.int_at_least(1), default=None,
         help="values per token of the kda+mla hybrid's latent cache (default: a quarter of MLA's full rank)")
-    add("--pairs", type=harness.int_at_least(1), nargs="+", default=[2, 4, 8, 12, 16, 24],
-        help="numbers of key-value pairs of the recall evaluation (the largest is also the training maximum)")
-    add("--recall-steps", type=harness.int_at_least(1), default=1000, help="training steps of each recall model")
-    add("--recall-lr", type=harness.positive_float, default=3e-3, help="peak learning rate of the recall models")
-    add("--recall-keys", type=harness.int_at_least(2), default=32, help="distinct keys (and values) of the recall task")
-    add("--recall-seqlen", type=harness.int_at_least(4), default=64, help="length of a recall sequence")
+    add("--pairs", type=harness.int_at_least(1), nargs="+",
+        help="numbers of key-value pairs of the recall evaluation; training draws 1 to the largest (default: the recipe's)")
+    add("--recall-full", action="store_true",
+        help=f"the Zoology-like recall recipe {RECALL_FULL} instead of the CPU default {RECALL_QUICK}")
+    add("--recall-steps", type=harness.int_at_least(1), help="training steps of each recall model (default: the recipe's)")
+    add("--recall-lr", type=harness.positive_float, help="peak learning rate of the recall models (default: the recipe's)")
+    add("--recall-batch", type=harness.int_at_least(1), help="sequences per recall training step (default: the recipe's)")
+    add("--recall-keys", type=harness.int_at_least(2),
+        help="distinct keys (and as many values) of the recall task (default: the recipe's)")
+    add("--recall-seqlen", type=harness.int_at_least(4),
+        help="length of a recall sequence, at least 4 x the most --pairs (default: the recipe's)")
     args = parser.parse_args(argv)
-    args.contexts, args.pairs = sorted(set(args.contexts)), sorted(set(args.pairs))
+    recipe = RECALL_FULL if args.recall_full else RECALL_QUICK
+    args.contexts, args.pairs = sorted(set(args.contexts)), sorted(set(args.pairs or recipe["pairs"]))
+    args.recall_keys = args.recall_keys or recipe["keys"]
+    args.recall_seqlen = args.recall_seqlen or recipe["seqlen"]
+    args.recall_steps = args.recall_steps or recipe["steps"]
+    args.recall_lr = args.recall_lr or recipe["lr"]
+    args.recall_batch = args.recall_batch or recipe["batch_size"]
+    args.recall_d_model = recipe["d_model"]
 
     def check_args(preset):
         if args.full_recipe and args.lm_iters is not None:
@@ -316,19 +260,22 @@ def parse_args(argv):
             parser.error(f"--d-latent: at most MLA's full rank min(2 * n_heads * d_head, d_model) = {full} for "
                          f"preset {preset.name}, got {args.d_latent}")
         args.d_latent = args.d_latent or max(1, full // 4)
-        if max(args.pairs) > args.recall_keys or 2 * max(args.pairs) + 2 > args.recall_seqlen:
-            parser.error(f"--pairs: at most --recall-keys={args.recall_keys} pairs, and 2 * pairs + 2 <= "
-                         f"--recall-seqlen={args.recall_seqlen}; got {max(args.pairs)}")
+        if (error := mqar.task_error(max(args.pairs), args.recall_seqlen, args.recall_keys)) is not None:
+            parser.error(f"--pairs (with --recall-keys {args.recall_keys} and --recall-seqlen "
+                         f"{args.recall_seqlen}): {error}")
         longest = max(args.contexts) + args.n_tokens  # softmax: a cache and [heads, n, n] scores of the longest
         harness.check_fits(parser, "--contexts", context_bytes(preset, 1, max(args.contexts)), "the longest prompt")
         harness.check_fits(parser, "--batch-size", context_bytes(preset, args.batch_size, max(args.contexts)),
                            "the batch of the longest prompt")
         harness.check_fits(parser, "--n-tokens", context_bytes(preset, args.batch_size, longest),
                            "the softmax model's position table and cache after the decoding steps")
-        recall = dict(RECALL, vocab_size=2 * args.recall_keys, seqlen=args.recall_seqlen)
-        harness.check_fits(parser, "--recall-keys", recall_bytes(dict(recall, seqlen=4), 256),
+        recall = mqar.model_config(args.recall_keys, args.recall_seqlen, d_model=args.recall_d_model)
+        harness.check_fits(parser, "--recall-keys", recall_bytes(dict(recall, seqlen=4), mqar.EVAL_SEQUENCES),
                            "the recall models' vocabulary")
-        harness.check_fits(parser, "--recall-seqlen", recall_bytes(recall, 256), "the recall evaluation's sequences")
+        harness.check_fits(parser, "--recall-seqlen", recall_bytes(recall, mqar.EVAL_SEQUENCES),
+                           "the recall evaluation's sequences")
+        harness.check_fits(parser, "--recall-batch", 3 * recall_bytes(recall, args.recall_batch),
+                           "a recall training step (forward and backward)")
     preset, device, data = harness.setup(args, parser, check_args)
     if max(args.contexts) >= len(data.val):
         parser.error(f"--contexts: at most {len(data.val) - 1} tokens (the validation split)")
@@ -344,7 +291,7 @@ def context_bytes(preset, batch_size, n):
 
 def recall_bytes(config, n_sequences):
     """About the bytes of a recall model's forward over `n_sequences` sequences (float32): the activations,
-    the [heads, seqlen, seqlen] scores and softmax, and the logits over the 2 * keys tokens."""
+    the [heads, seqlen, seqlen] scores and softmax, and the logits over the vocabulary."""
     S, d = config["seqlen"], config["d_model"]
     per_sequence = S * (8 * d * config["n_layers"] + 2 * config["n_heads"] * S + config["vocab_size"])
     return 4 * n_sequences * per_sequence + 4 * config["vocab_size"] * d * 2
@@ -362,24 +309,28 @@ def main(argv=None):
     quality = quality_rows(models, data, window, args.val_batches, checks, seconds)
     context = context_rows(models, data, args.contexts, args.batch_size, args.n_tokens, args.repeats, device,
                            args.seed)
-    recall = recall_rows(args.pairs, args.recall_steps, args.recall_lr, args.recall_keys, args.recall_seqlen,
-                         args.seed, preset, device, rebuild, args.untrained)
+    recall = mqar.recall_rows(args.pairs, args.recall_steps, args.recall_lr, args.recall_keys, args.recall_seqlen,
+                              args.seed, args.recall_batch, args.recall_d_model, device,
+                              f"mqar_k{args.recall_keys}_s{args.recall_seqlen}", rebuild, args.untrained)
     print(f"\n1. quality: {args.lm_iters} steps each, the softmax control too (batch {preset.batch_size}, lr "
           f"{preset.lr:g}); cache of one sequence of {preset.seqlen} tokens; kda+mla latents of {args.d_latent}")
+    recall_config = mqar.model_config(args.recall_keys, args.recall_seqlen, d_model=args.recall_d_model)
     tables = [harness.table("Cache per sequence and TPOT after a prompt of each length:", context),
-              harness.table("Associative recall (MQAR): accuracy of the answers against the number of key-value pairs:",
-                            recall)]
+              harness.table("Associative recall (MQAR): accuracy of the answers at each number of key-value pairs "
+                            f"(acc_<pairs>), state or KV cache of one sequence of {args.recall_seqlen} tokens:", recall)]
     summary = ["checks: chunked = recurrent form and prefill + decoding with the carried state = full pass "
                f"(atol {ATOL:g}) for " + ", ".join(checks),
                f"softmax rows beyond {preset.seqlen} tokens: position table extended by its last row, timing only",
                f"cache per sequence and TPOT: batch {args.batch_size}, {args.n_tokens} decoding steps, median of "
                f"{args.repeats}",
-               f"recall (MQAR): {args.recall_keys} keys, sequences of {args.recall_seqlen}, models {RECALL['n_layers']} "
-               f"layers x {RECALL['n_heads']} heads of {RECALL['d_head']}, {args.recall_steps} steps each; accuracy "
-               "of the answers on 256 sequences per pair count"]
+               f"recall (MQAR, {'full' if args.recall_full else 'quick'} recipe): {args.recall_keys} keys, sequences of "
+               f"{args.recall_seqlen}, models of {recall_config['n_layers']} layers x {recall_config['n_heads']} heads "
+               f"of {recall_config['d_head']} (d_model {recall_config['d_model']}), {args.recall_steps} steps of "
+               f"{args.recall_batch} sequences of 1 to {max(args.pairs)} pairs, peak lr {args.recall_lr:g}; accuracy "
+               f"of the answers on {mqar.EVAL_SEQUENCES} sequences per pair count"]
     harness.report(args, "main_linear_attention.py", preset, device, quality,
                    headline(quality, context, recall, args.pairs, args.lm_iters), summary=summary, tables=tables,
-                   plot=lambda: plot_results(quality, context, recall, args.pairs, preset, device),
+                   plot=lambda: plot_results(quality, context, recall, args.pairs, args.recall_seqlen, preset, device),
                    context_rows=context, context_columns=harness.table_columns(context), recall_rows=recall,
                    recall_columns=harness.table_columns(recall), recall_pairs=args.pairs, checks=checks,
                    lm_iters=args.lm_iters, d_latent=args.d_latent,
