@@ -170,9 +170,10 @@ def document_loss(model, data, n_batches=10, batch_size=32, seed=1234):
     return sum(losses) / len(losses)
 
 
-def load_start_token(preset, device, data, iters=START_STEPS, untrained=False, seed=0):
+def load_start_token(preset, device, data, iters=START_STEPS, untrained=False, seed=0, path=None):
     """The rotary GPTlite trained on documents after a start token (checkpoints/<preset>_rope_start.pt),
-    trained first when missing or stale (random with untrained): the recipe of gptlite.py with `iters` steps.
+    trained first when missing or stale (random with untrained): the recipe of gptlite.py with `iters` steps;
+    path: another file (tests).
     train_steps draws random windows; the loss here ignores them and trains on a document batch of the same
     size from its own seeded stream."""
     recipe = iu.preset_recipe(preset, iters, seed)
@@ -188,7 +189,7 @@ def load_start_token(preset, device, data, iters=START_STEPS, untrained=False, s
                                       evaluate=lambda m: document_loss(m, data))
     stamp = dict(recipe, data="speaker turns, packed, each after start token id len(vocab)")
     rebuild = f"python main_sparse_attention.py --preset {preset.name} --start-steps {recipe['iters']}"
-    return iu.cached_model(model, model.config.to_dict(), start_token_checkpoint(preset), train, data.vocab,
+    return iu.cached_model(model, model.config.to_dict(), path or start_token_checkpoint(preset), train, data.vocab,
                            rebuild, stamp=stamp, untrained=untrained, retrains=True)[0]
 
 

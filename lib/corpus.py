@@ -142,9 +142,12 @@ def document_sequence(tokens, starts, doc, start_id, length):
 
 def document_batch(tokens, starts, start_id, batch_size, seqlen, generator=None, device="cpu"):
     """Inputs and targets [batch_size, seqlen], each sequence packed from a random document (seeded by
-    `generator`): position 0 of every input is the start token; a target that would be the start token is
+    `generator`) among those followed by enough text: position 0 of every input is the start token; a target that would be the start token is
     IGNORE (the start token is never predicted)."""
-    docs = torch.randint(len(starts), (batch_size,), generator=generator)
+    n_docs = int((starts + seqlen + 1 <= len(tokens)).sum())  # those with a whole sequence of text after them
+    if n_docs == 0:
+        raise ValueError(f"no document has {seqlen + 1} tokens of text after its start")
+    docs = torch.randint(n_docs, (batch_size,), generator=generator)
     seqs = torch.stack([document_sequence(tokens, starts, int(d), start_id, seqlen + 1) for d in docs])
     x, y = seqs[:, :-1], seqs[:, 1:].clone()
     y[y == start_id] = IGNORE
