@@ -2,8 +2,8 @@
 
     python main_sparse_attention.py                 # cpu preset on CPU (the first run trains checkpoints/cpu_rope.pt
                                                     # and, 600 steps, checkpoints/cpu_rope_start.pt)
-    python main_sparse_attention.py --budgets 8 16 32 64 --stream-chars 16000 --json sparse.json --plot sparse.png
-    python main_sparse_attention.py --untrained --n-windows 4 --stream-chars 1200   # a quick smoke run
+    python main_sparse_attention.py --budgets 8 16 32 64 --stream-chars 8000 --json sparse.json --plot sparse.png
+    python main_sparse_attention.py --untrained --n-windows 4 --stream-chars 400 --segment 100   # a quick smoke run
 
 Blog section: "Sparse attention". Each method keeps or reads at most `budget` cache
 entries per layer and head at a decode step (kv_budget.py); a budget of the whole context is dense attention.
@@ -296,8 +296,9 @@ def parse_args(argv):
     add("--n-windows", type=harness.int_at_least(1), default=64, help="validation windows of seqlen for the loss")
     add("--n-prompts", type=harness.int_at_least(1), default=8, help="prompts for the greedy-token agreement")
     harness.add_generation_flags(parser, prompt_len=1, n_tokens=128, repeats=3)
-    add("--stream-chars", type=harness.int_at_least(1000), default=8000, help="validation characters streamed")
-    add("--segment", type=harness.int_at_least(1), default=500, help="characters per loss segment of the stream")
+    add("--stream-chars", type=harness.int_at_least(2), default=4000,
+        help="validation characters streamed (more than the window seqlen: the point is to stream past it)")
+    add("--segment", type=harness.int_at_least(1), default=250, help="characters per loss segment of the stream")
     add("--time-tokens", type=harness.int_at_least(2), default=256, help="stream tokens timed per variant for tok/s")
     add("--start-steps", type=harness.int_at_least(1), default=START_STEPS,
         help="training steps of the start-token model (checkpoints/<preset>_rope_start.pt; the preset's other "
@@ -314,6 +315,9 @@ def parse_args(argv):
                          f"in it), got --budgets {min(args.budgets)}")
         if args.mass_from >= preset.seqlen:
             parser.error(f"--mass-from must be below the window seqlen={preset.seqlen}, got {args.mass_from}")
+        if args.stream_chars <= preset.seqlen:
+            parser.error(f"--stream-chars must be more than the window seqlen={preset.seqlen} (the stream goes past it), "
+                         f"got {args.stream_chars}")
         if args.segment > args.stream_chars:
             parser.error(f"--segment {args.segment} is longer than --stream-chars {args.stream_chars}")
         for budget in args.budgets:

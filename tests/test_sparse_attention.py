@@ -170,6 +170,7 @@ def test_bad_settings_are_clear_errors(make, match):
     (["--budgets", "16", "--n-sink", "16", "--page-size", "4"], "--n-sink 16 must be below every budget"),
     (["--mass-from", "128"], "--mass-from must be below the window seqlen=128"),
     (["--start-steps", "0"], "--start-steps: must be at least 1"),
+    (["--stream-chars", "128"], "--stream-chars must be more than the window seqlen=128"),
     (["--budgets", "0"], "must be at least 1"),
     (["--page-size", "0"], "must be at least 1"),
     (["--budgets", "4", "--n-sink", "2"], "--budgets 4 with Quest"),
@@ -343,7 +344,7 @@ def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, t
     results = []
     for plot in ([], ["--plot", str(tmp_path / "sp.png")]):
         msa.main(["--untrained", "--device", "cpu", "--budgets", "16", "--n-windows", "1", "--n-prompts", "1",
-                  "--n-tokens", "4", "--stream-chars", "1000", "--time-tokens", "4", "--repeats", "1",
+                  "--n-tokens", "4", "--stream-chars", "200", "--segment", "100", "--time-tokens", "4", "--repeats", "1",
                   "--json", str(tmp_path / "sp.json")] + plot)
         results.append(json.loads((tmp_path / "sp.json").read_text()))
     assert results[0].keys() == results[1].keys()
@@ -357,13 +358,13 @@ def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, t
                                                        "start-token, start token + documents"]
     assert [c[0] for c in tables[1]["columns"]] == ["chars", "rotary: window cache 128", "rotary: 4 sinks + cache 128",
                                                     "start-token: window cache 128", "start-token: 4 sinks + cache 128"]
-    assert len(tables[1]["rows"]) == 2  # 1000 characters, segments of 500
-    assert tables[2]["title"].startswith("streaming 1000 validation characters")
+    assert len(tables[1]["rows"]) == 2  # 200 characters, segments of 100
+    assert tables[2]["title"].startswith("streaming 200 validation characters")
     methods = results[0]["attention_methods"]
     assert [m["method"] for m in methods] == [f"{m} (KV budget 16)" for m in msa.METHODS]
     assert all(not m["exact"] and m["training_steps"] == 0 for m in methods)
-    assert methods[0]["reduction"].startswith("8.0x / 8.0x smaller (16 / 16 KB against 128 at 128 tokens)")
-    assert methods[-1]["reduction"].startswith("1.0x / ")  # Quest keeps every entry, reads fewer
+    assert methods[0]["reduction"] == "8.0x / 8.0x smaller (64 / 64 KB against 512 at 128 tokens)"  # 4 KB a token
+    assert methods[-1]["reduction"] == "1.0x / 4.0x smaller (512 / 128 KB against 512 at 128 tokens)"  # + page bounds
 
 
 @pytest.mark.parametrize("flag", ["--n-windows", "--n-prompts", "--n-tokens", "--stream-chars"])
