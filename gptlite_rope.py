@@ -8,7 +8,8 @@ absolute: a cached key carries the position it was computed at, so it cannot be 
 holds the keys *before* rotation and rotates them at attention time by their slot in the cache, so an
 evicted entry lets the later ones move up a position: StreamingLLM's "positions within the cache".
 The cache plugs in through gptlite_kvcache's interface: the post's list of (keys, values), or any
-KVCache (kv_budget's budgets evict and select through it).
+KVCache (kv_budget's budgets evict and select through it). load_start_token: the same model trained on
+documents after a start token, the condition for attention sinks (below).
 """
 import torch
 import torch.nn as nn
@@ -185,8 +186,9 @@ def load_start_token(preset, device, data, iters=START_STEPS, untrained=False, s
         xd, yd = draw(x.shape[0], x.shape[1], x.device)
         return F.cross_entropy(training.logits_of(m(xd)).flatten(0, 1), yd.flatten(), ignore_index=corpus.IGNORE)
 
-    train = lambda m: iu.train_recipe(m, data, recipe, f"training {preset.name}_rope_start", loss_fn=loss_fn,  # noqa: E731
-                                      evaluate=lambda m: document_loss(m, data))
+    def train(m):
+        return iu.train_recipe(m, data, recipe, f"training {preset.name}_rope_start", loss_fn=loss_fn,
+                               evaluate=lambda m: document_loss(m, data))
     stamp = dict(recipe, data="speaker turns, packed, each after start token id len(vocab)")
     rebuild = f"python main_sparse_attention.py --preset {preset.name} --start-steps {recipe['iters']}"
     return iu.cached_model(model, model.config.to_dict(), path or start_token_checkpoint(preset), train, data.vocab,

@@ -181,7 +181,8 @@ def stream_rows(variants, segment, time_tokens, repeats):
             rows[-1]["first_mass"] = sum(cache.first_mass) / len(cache.first_mass) / cache.n_steps
             rows[-1]["uniform_mass"] = cache.first_uniform / cache.n_steps  # what equal weights would give
             rows[-1]["mass_by_layer"] = " ".join(f"{m / cache.n_steps:.2f}" for m in cache.first_mass)
-    steps = {name: (lambda step=step, x=inputs[name]: step(x[:, :time_tokens])) for name, (_, step, _) in variants.items()}
+    steps = {name: (lambda step=step, x=inputs[name]: step(x[:, :time_tokens]))
+             for name, (_, step, _) in variants.items()}
     seconds = iu.time_round_robin(steps, warmup=1, repeats=repeats)  # batch 1 on the CPU's clock
     for row in rows:
         row["tokens_per_s"] = time_tokens / iu.median(seconds[row["variant"]])
@@ -316,8 +317,8 @@ def parse_args(argv):
         if args.mass_from >= preset.seqlen:
             parser.error(f"--mass-from must be below the window seqlen={preset.seqlen}, got {args.mass_from}")
         if args.stream_chars <= preset.seqlen:
-            parser.error(f"--stream-chars must be more than the window seqlen={preset.seqlen} (the stream goes past it), "
-                         f"got {args.stream_chars}")
+            parser.error(f"--stream-chars must be more than the window seqlen={preset.seqlen} (the stream goes past "
+                         f"it), got {args.stream_chars}")
         if args.segment > args.stream_chars:
             parser.error(f"--segment {args.segment} is longer than --stream-chars {args.stream_chars}")
         for budget in args.budgets:

@@ -142,8 +142,8 @@ def document_sequence(tokens, starts, doc, start_id, length):
 
 def document_batch(tokens, starts, start_id, batch_size, seqlen, generator=None, device="cpu"):
     """Inputs and targets [batch_size, seqlen], each sequence packed from a random document (seeded by
-    `generator`) among those followed by enough text: position 0 of every input is the start token; a target that would be the start token is
-    IGNORE (the start token is never predicted)."""
+    `generator`) among those followed by enough text: position 0 of every input is the start token; a target
+    that would be the start token is IGNORE (the start token is never predicted)."""
     n_docs = int((starts + seqlen + 1 <= len(tokens)).sum())  # those with a whole sequence of text after them
     if n_docs == 0:
         raise ValueError(f"no document has {seqlen + 1} tokens of text after its start")

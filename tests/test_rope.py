@@ -143,7 +143,8 @@ def test_every_sequence_is_the_start_token_then_documents_from_their_start(seqle
 def test_document_batches_are_deterministic_by_seed():
     tokens = encoded(TEXT)
     starts = corpus.document_starts(tokens, 10)
-    draw = lambda seed: corpus.document_batch(tokens, starts, START, 8, 10, torch.Generator().manual_seed(seed))  # noqa: E731
+    def draw(seed):
+        return corpus.document_batch(tokens, starts, START, 8, 10, torch.Generator().manual_seed(seed))
     assert all(torch.equal(a, b) for a, b in zip(draw(3), draw(3)))
     assert not torch.equal(draw(3)[0], draw(4)[0])
 

@@ -344,7 +344,8 @@ def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, t
     results = []
     for plot in ([], ["--plot", str(tmp_path / "sp.png")]):
         msa.main(["--untrained", "--device", "cpu", "--budgets", "16", "--n-windows", "1", "--n-prompts", "1",
-                  "--n-tokens", "4", "--stream-chars", "200", "--segment", "100", "--time-tokens", "4", "--repeats", "1",
+                  "--n-tokens", "4", "--stream-chars", "200", "--segment", "100", "--time-tokens", "4",
+                  "--repeats", "1",
                   "--json", str(tmp_path / "sp.json")] + plot)
         results.append(json.loads((tmp_path / "sp.json").read_text()))
     assert results[0].keys() == results[1].keys()
