@@ -107,3 +107,48 @@ def sample_prompts(data, n_prompts, length, seed=0, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
     return get_batch(data.val, n_prompts, length, generator, device)[0]
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# Documents with a start token, the way LLMs are trained (main_sparse_attention's start-token model):
+# a document is a speaker turn, a blank-line-separated paragraph that begins "NAME:"; every training
+# sequence starts with the reserved start token at position 0, then a document from its first character,
+# and, when the document is shorter than the window, the next documents, each after its own start token.
+
+IGNORE = -100  # F.cross_entropy's ignore_index: the target after a document, which would be the start token
+
+
+def document_starts(tokens, newline_id):
+    """Indices of `tokens` [N] where a document begins: right after a blank line ("\\n\\n"). The split's own
+    first character is not one (it may be mid-turn); a turn is the text up to the next start. [n_docs]"""
+    nl = tokens == newline_id
+    after_blank = nl[:-2] & nl[1:-1] & ~nl[2:]  # "\n\n" then a character that is not "\n"
+    return torch.nonzero(after_blank).flatten() + 2
+
+
+def document_sequence(tokens, starts, doc, start_id, length):
+    """`length` tokens: start token, document `doc` from its start, then the next documents, each after its own
+    start token, cut at `length`. [length]"""
+    pieces, n = [], 0
+    while n < length:
+        if doc >= len(starts):
+            raise ValueError(f"the documents after document {doc - len(pieces) // 2} are shorter than {length} tokens")
+        end = starts[doc + 1] if doc + 1 < len(starts) else len(tokens)
+        pieces += [torch.tensor([start_id]), tokens[starts[doc]:end]]
+        n += 1 + int(end - starts[doc])
+        doc += 1
+    return torch.cat(pieces)[:length]
+
+
+def document_batch(tokens, starts, start_id, batch_size, seqlen, generator=None, device="cpu"):
+    """Inputs and targets [batch_size, seqlen], each sequence packed from a random document (seeded by
+    `generator`) among those followed by enough text: position 0 of every input is the start token; a target
+    that would be the start token is IGNORE (the start token is never predicted)."""
+    n_docs = int((starts + seqlen + 1 <= len(tokens)).sum())  # those with a whole sequence of text after them
+    if n_docs == 0:
+        raise ValueError(f"no document has {seqlen + 1} tokens of text after its start")
+    docs = torch.randint(n_docs, (batch_size,), generator=generator)
+    seqs = torch.stack([document_sequence(tokens, starts, int(d), start_id, seqlen + 1) for d in docs])
+    x, y = seqs[:, :-1], seqs[:, 1:].clone()
+    y[y == start_id] = IGNORE
+    return x.to(device), y.to(device)

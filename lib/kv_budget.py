@@ -1,6 +1,6 @@
 """KV budgets: which cached tokens a decode step attends to, without retraining.
 
-Blog section: "Sparse attention and KV-cache budgets" (main_sparse_attention.py). One interface, three
+Blog section: "Sparse attention" (main_sparse_attention.py). One interface, three
 hooks that a method overrides; `BudgetCache`, a cache of gptlite_kvcache's interface, calls them in
 every layer of the model's own cached forward pass (GPTlite's, or GPTlite_RoPE's):
 - `select(q, k)`: the entries this decode step reads (a mask; Quest), None: all of them;
@@ -65,10 +65,12 @@ class BudgetCache(KVCache):
     """A KV cache under a budget: per-layer LayerKV (entries differ per head after eviction), and the
     tokens seen so far. `method` decides what is read and kept (default Dense); max_seqlen: the model's
     window, past which the oldest entry is dropped (set by the functions below from the model).
-    n_first: collect AttentionMass over the first n_first entries in `stats` (None: no statistics)."""
+    n_first: collect AttentionMass over the first n_first entries in `stats` (None: no statistics).
+    keep_weights: keep each layer's attention weights of the last pass in `weights` (attention_on_first)."""
 
-    def __init__(self, n_layers, n_first=None, method=None, max_seqlen=None):
+    def __init__(self, n_layers, n_first=None, method=None, max_seqlen=None, keep_weights=False):
         self.layers = [None] * n_layers
+        self.weights = [None] * n_layers if keep_weights else None  # the last pass's weights per layer
         self.n_tokens = 0
         self.method = method or Dense()
         self.max_seqlen = max_seqlen
@@ -115,6 +117,8 @@ class BudgetCache(KVCache):
         else:
             mask = self.method.select(q, K)
         out, weights = attend(q, K, V, mask)  # [B, H, T, D], [B, H, T, n]
+        if self.weights is not None:
+            self.weights[layer] = weights
         if self.stats is not None and T == 1:
             self.stats.observe(layer, weights)
         kv = self.layers[layer]
@@ -337,6 +341,24 @@ def teacher_forced_logits(model, tokens, method, cache=None, progress=None):
     cached = kv_cache_view(model)
     steps = range(tokens.shape[1]) if progress is None else progress(range(tokens.shape[1]))
     return torch.cat([cached(tokens[:, t:t + 1], kv_cache=cache)[0] for t in steps], dim=1)
+
+
+@torch.inference_mode()
+def attention_on_first(model, tokens, n_first=4, from_position=16):
+    """Attention sinks in a full forward pass over tokens [B, S] (S <= the model's window): the attention
+    weight that queries at positions >= from_position put on the first n_first positions, averaged over
+    batch, heads and those queries per layer (`by_layer`), then over layers (`mass`); `uniform`: what equal
+    weights over each query's causal past would give, min(n_first, p + 1) / (p + 1), averaged the same way."""
+    S = tokens.shape[1]
+    if not 0 <= from_position < S:
+        raise ValueError(f"from_position must be between 0 and {S - 1} (the sequence's last position), "
+                         f"got {from_position}")
+    cache = BudgetCache(model.config.n_layers, keep_weights=True).use(Dense(), model)
+    kv_cache_view(model)(tokens, kv_cache=cache)  # a prefill: dense, causal, the weights kept
+    by_layer = [w[:, :, from_position:, :n_first].sum(dim=-1).mean().item() for w in cache.weights]  # [B, H, Q, S]
+    positions = torch.arange(from_position, S, dtype=torch.float64)
+    uniform = (positions + 1).clamp(max=n_first).div(positions + 1).mean().item()
+    return dict(mass=sum(by_layer) / len(by_layer), by_layer=by_layer, uniform=uniform)
 
 
 def kv_bytes(method, n_ctx, n_layers, n_heads, d_head, element_size=4):

@@ -12,7 +12,7 @@ import main_sparse_attention as msa
 from gptlite import generate
 from gptlite_kvcache import generate_kvcache
 from gptlite_rope import GPTlite_RoPE
-from lib import harness
+from lib import corpus, harness
 from lib import kv_budget as kb
 
 ALL = ["dense", "window", "sinks", "H2O", "SnapKV", "Quest"]
@@ -20,6 +20,16 @@ ALL = ["dense", "window", "sinks", "H2O", "SnapKV", "Quest"]
 
 def method(name, budget, n_sink=2, page_size=4):
     return kb.make_method(name, budget, n_sink=n_sink, page_size=page_size)
+
+
+def tiny_start():
+    """A tiny rotary model with the start token (id 65): one more vocabulary entry, weights N(0, 0.5)."""
+    torch.manual_seed(2)
+    model = GPTlite_RoPE(**dict(TINY, vocab_size=66)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
 
 
 @pytest.fixture
@@ -155,23 +165,31 @@ def test_bad_settings_are_clear_errors(make, match):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--budgets", "4", "16"], "--budgets 4 with sinks"),
+    (["--budgets", "4", "16"], "--n-sink 4 must be below every budget"),
+    (["--budgets", "8", "16", "--n-sink", "8"], "--n-sink 8 must be below every budget"),
+    (["--budgets", "16", "--n-sink", "16", "--page-size", "4"], "--n-sink 16 must be below every budget"),
+    (["--mass-from", "128"], "--mass-from must be below the window seqlen=128"),
+    (["--start-steps", "0"], "--start-steps: must be at least 1"),
+    (["--stream-chars", "128"], "--stream-chars must be more than the window seqlen=128"),
     (["--budgets", "0"], "must be at least 1"),
     (["--page-size", "0"], "must be at least 1"),
     (["--budgets", "4", "--n-sink", "2"], "--budgets 4 with Quest"),
     (["--budgets", "256"], "at most the window"),
 ])
-def test_bad_flags_stop_before_any_work(argv, match, capsys):
-    with pytest.raises(SystemExit):
-        msa.main(argv + ["--untrained"])
-    assert match in capsys.readouterr().err
+def test_bad_flags_stop_before_any_work(argv, match, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    with pytest.raises(SystemExit) as e:
+        msa.main(argv + ["--untrained", "--json", str(tmp_path / "sp.json")])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "sp.json").exists()
 
 
 def test_a_stream_longer_than_the_validation_text_is_an_error_not_cut(real_data, capsys):
-    n = len(real_data.val)
+    n = len(real_data.val) - int(corpus.document_starts(real_data.val, real_data.vocab.index("\n"))[0])
     with pytest.raises(SystemExit):
         msa.main(["--untrained", "--stream-chars", str(n)])
-    assert f"--stream-chars {n}: the validation text has {n} characters, give at most {n - 1}" in capsys.readouterr().err
+    assert (f"--stream-chars {n}: the validation text has {n} characters from its first document on, give at most "
+            f"{n - 1}") in capsys.readouterr().err
 
 
 def test_quality_rows_and_checks(tiny_models, tiny_rope):
@@ -179,8 +197,9 @@ def test_quality_rows_and_checks(tiny_models, tiny_rope):
     windows = torch.randint(65, (3, TINY["seqlen"] + 1))
     prompts = torch.randint(65, (2, 1))
     full = [method(name, TINY["seqlen"]) for name in msa.METHODS]
-    checks = msa.run_checks(base, cached, tiny_rope, windows[:, :-1], prompts, 16, full)
-    assert all(checks.values()) and len(checks) == 8
+    documents = torch.cat([torch.full((3, 1), 65), windows[:, 1:-1]], dim=1)  # the start token, then text
+    checks = msa.run_checks(base, cached, tiny_rope, tiny_start(), windows[:, :-1], documents, prompts, 16, full, 2)
+    assert all(checks.values()) and len(checks) == 11
     rows = msa.quality_rows(base, windows, prompts, 16, [4, 8], n_sink=2, page_size=4)
     assert [r["variant"] for r in rows[:3]] == ["dense", "window 4", "sinks 4"]
     assert rows[0]["loss_vs_dense"] == 0 and rows[0]["agree"] == 1.0 and rows[0]["first_diff"] == 16
@@ -195,13 +214,25 @@ def test_streaming_reference_and_variants(tiny_models, tiny_rope):
     for model in (base, tiny_rope):  # batched windows = one dense pass per step over the last W tokens
         torch.testing.assert_close(msa.reencoding_logits(model, stream, W, batch=7)[None],
                                    msa.reencoding_stream(model, stream[None], W), atol=1e-5, rtol=0)
-    variants = msa.stream_variants(base, cached, tiny_rope, W, n_sink=2)
-    rows, losses = msa.stream_rows(variants, stream, segment=20, time_tokens=20, repeats=1)
-    assert [len(v) for v in losses.values()] == [3] * 5
+    start, start_stream = tiny_start(), torch.cat([torch.tensor([65]), stream[:-1]])
+    torch.testing.assert_close(msa.reencoding_logits(start, start_stream, W, batch=7, keep_first=True)[None],
+                               msa.reencoding_stream(start, start_stream[None], W, keep_first=True), atol=1e-5, rtol=0)
+    variants = msa.stream_variants(base, cached, tiny_rope, start, W, 2, stream, start_stream)
+    rows, losses = msa.stream_rows(variants, segment=20, time_tokens=20, repeats=1)
+    assert [len(v) for v in losses.values()] == [3] * 8
     by_name = {r["variant"]: r for r in rows}
     assert 0 < by_name["rotary: 2 sinks + cache 16"]["first_mass"] <= 1
+    assert msa.stream_row(rows, "start-token: sinks")["variant"] == "start-token: 2 sinks + cache 16"
+    assert msa.stream_row(rows, "start-token: window")["variant"] == "start-token: window cache 16"
     nll = F.cross_entropy(msa.reencoding_logits(tiny_rope, stream[:-1], W), stream[1:], reduction="none")
     assert losses["rotary: re-encode last 16"][1] == pytest.approx(nll[20:40].mean().item(), abs=1e-5)
+    # the start-token reference by hand: past the window, the start token and the last W - 1 tokens
+    t = 40
+    context = torch.cat([start_stream[:1], start_stream[t - W + 2:t + 1]])[None]
+    ref = F.cross_entropy(start(context)[0][:, -1], start_stream[t + 1:t + 2])
+    nll = F.cross_entropy(msa.reencoding_logits(start, start_stream[:-1], W, keep_first=True), start_stream[1:],
+                          reduction="none")
+    assert nll[t].item() == pytest.approx(ref.item(), abs=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -313,14 +344,28 @@ def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, t
     results = []
     for plot in ([], ["--plot", str(tmp_path / "sp.png")]):
         msa.main(["--untrained", "--device", "cpu", "--budgets", "16", "--n-windows", "1", "--n-prompts", "1",
-                  "--n-tokens", "4", "--stream-chars", "1000", "--time-tokens", "4", "--repeats", "1",
+                  "--n-tokens", "4", "--stream-chars", "200", "--segment", "100", "--time-tokens", "4",
+                  "--repeats", "1",
                   "--json", str(tmp_path / "sp.json")] + plot)
         results.append(json.loads((tmp_path / "sp.json").read_text()))
     assert results[0].keys() == results[1].keys()
     assert [r["variant"] for r in results[0]["rows"]] == [r["variant"] for r in results[1]["rows"]]
     assert results[0]["headline"]["technique"].endswith("budget 16 of 128")
     assert results[0]["headline"]["figure"].startswith("loss against dense: window ")
-    assert results[0]["tables"][0]["title"].startswith("streaming 1000 validation characters")
+    tables = results[0]["tables"]
+    assert tables[0]["title"].startswith("attention sinks: mean attention weight on the first 4 positions")
+    assert [r["model"] for r in tables[0]["rows"]] == ["rotary, random windows",
+                                                       "rotary, documents from their start (no start token)",
+                                                       "start-token, start token + documents"]
+    assert [c[0] for c in tables[1]["columns"]] == ["chars", "rotary: window cache 128", "rotary: 4 sinks + cache 128",
+                                                    "start-token: window cache 128", "start-token: 4 sinks + cache 128"]
+    assert len(tables[1]["rows"]) == 2  # 200 characters, segments of 100
+    assert tables[2]["title"].startswith("streaming 200 validation characters")
+    methods = results[0]["attention_methods"]
+    assert [m["method"] for m in methods] == [f"{m} (KV budget 16)" for m in msa.METHODS]
+    assert all(not m["exact"] and m["training_steps"] == 0 for m in methods)
+    assert methods[0]["reduction"] == "8.0x / 8.0x smaller (64 / 64 KB against 512 at 128 tokens)"  # 4 KB a token
+    assert methods[-1]["reduction"] == "1.0x / 4.0x smaller (512 / 128 KB against 512 at 128 tokens)"  # + page bounds
 
 
 @pytest.mark.parametrize("flag", ["--n-windows", "--n-prompts", "--n-tokens", "--stream-chars"])
@@ -330,3 +375,70 @@ def test_huge_sizes_are_parser_errors_naming_the_flag_before_any_work(flag, caps
         msa.main(["--untrained", "--device", "cpu", flag, "1000000000000"])
     assert e.value.code == 2
     assert f"error: {flag}: " in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention sinks: the attention mass on the first positions, and the start-token model.
+
+@torch.no_grad()
+def explicit_first_mass(model, idx, n_first, from_position):
+    """Per layer, the mean softmax weight of queries >= from_position on the first n_first keys, computed here:
+    each block's queries and keys by hand (rotated by position), an explicit causal softmax."""
+    from gptlite_rope import apply_rope
+    S = idx.shape[1]
+    cos, sin = model.rope_cos[:S], model.rope_sin[:S]
+    x, masses = model.token_embedding(idx), []
+    for block in model.blocks:
+        h, mha = block.ln1(x), block.mha
+        q = apply_rope(mha.split_heads(mha.query_proj(h)), cos, sin)  # [B, H, S, D]
+        k = apply_rope(mha.split_heads(mha.key_proj(h)), cos, sin)
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.ones(S, S).triu(1).bool(), float("-inf"))
+        weights = torch.softmax(scores, dim=-1)  # [B, H, S, S]
+        masses.append(weights[:, :, from_position:, :n_first].sum(dim=-1).mean().item())
+        x, _ = block(x, None, (model.rope_cos, model.rope_sin))
+    return masses
+
+
+@pytest.mark.parametrize("n_first, from_position", [(4, 8), (2, 0), (1, 15)])
+def test_attention_on_the_first_positions_is_the_explicit_softmax(tiny_rope, n_first, from_position):
+    idx = torch.randint(65, (3, TINY["seqlen"]))
+    got = kb.attention_on_first(tiny_rope, idx, n_first, from_position)
+    ref = explicit_first_mass(tiny_rope, idx, n_first, from_position)
+    assert got["by_layer"] == pytest.approx(ref, abs=1e-5)
+    assert got["mass"] == pytest.approx(sum(ref) / len(ref), abs=1e-5)
+    uniform = [min(n_first, p + 1) / (p + 1) for p in range(from_position, TINY["seqlen"])]
+    assert got["uniform"] == pytest.approx(sum(uniform) / len(uniform), abs=1e-12)
+    assert len(set(round(m, 3) for m in ref)) > 1 or abs(ref[0] - got["uniform"]) > 1e-3  # peaked, not uniform
+
+
+def test_attention_on_the_first_positions_bad_from_position(tiny_rope):
+    with pytest.raises(ValueError, match="from_position must be between 0 and 15"):
+        kb.attention_on_first(tiny_rope, torch.randint(65, (1, 16)), 4, 16)
+
+
+def test_the_start_token_models_cached_decode_is_its_full_pass():
+    model = tiny_start()
+    x = torch.cat([torch.full((2, 1), 65), torch.randint(65, (2, TINY["seqlen"] - 1))], dim=1)
+    full, _ = model(x)
+    cache, steps = None, []
+    for t in range(x.shape[1]):  # one token at a time through the post's list of (keys, values)
+        out, cache = model(x[:, t:t + 1], cache)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=0)
+    assert full.shape[-1] == 66  # the start token has its own logit (never a target in training)
+
+
+@pytest.mark.parametrize("n_sink", [1, 4])
+def test_sinks_and_window_at_a_full_budget_is_dense_on_the_start_token_model(n_sink):
+    model = tiny_start()
+    x = torch.cat([torch.full((2, 1), 65), torch.randint(65, (2, TINY["seqlen"] - 1))], dim=1)
+    logits = kb.teacher_forced_logits(model, x, kb.StreamingLLM(TINY["seqlen"], n_sink))
+    torch.testing.assert_close(logits, model(x)[0], atol=1e-4, rtol=0)
+    # and past the window the sinks are kept: the start token's entry stays at slot 0
+    stream = torch.cat([torch.tensor([[65]]), torch.randint(65, (1, 40))], dim=1)
+    cache = kb.BudgetCache(TINY["n_layers"])
+    kb.teacher_forced_logits(model, stream, kb.StreamingLLM(TINY["seqlen"], n_sink), cache)
+    first_key = model.blocks[0].mha.split_heads(model.blocks[0].mha.key_proj(
+        model.blocks[0].ln1(model.token_embedding(torch.tensor([[65]])))))[:, :, 0]  # [1, H, D]
+    torch.testing.assert_close(cache.layers[0].keys[:, :, 0], first_key, atol=1e-6, rtol=0)
