@@ -343,6 +343,23 @@ def parse_args(argv):
     return args, preset, device, data
 
 
+def result_tables(mrows, losses, srows, variants, W, n_first, args):
+    """The attention mass on the first positions, the streaming loss per segment, and the streams' rows."""
+    mass_table = harness.table(f"attention sinks: mean attention weight on the first {n_first} positions of queries at "
+                               f"positions {args.mass_from}-{W - 1}, full forward pass over {args.n_windows} sequences "
+                               f"of {W} (mean over layers, heads, queries; equal weights: min({n_first}, p+1)/(p+1))",
+                               mrows, MASS_COLUMNS)
+    caches = [v for v in variants if "window cache" in v or "sinks +" in v]
+    seg_rows, seg_columns = segment_table(losses, args.segment, caches)
+    seg_table = harness.table(f"streaming loss per {args.segment} characters (nats/char), window-only against "
+                              f"{args.n_sink} sinks + window, cache of {W}: the first tokens leave the window-only "
+                              f"cache at character {W}", seg_rows, seg_columns)
+    stream_table = harness.table(f"streaming {args.stream_chars} validation characters from the first document "
+                                 f"(loss per {args.segment}; tok/s: the first {args.time_tokens}, median of "
+                                 f"{args.repeats}, batch 1)", srows)
+    return [mass_table, seg_table, stream_table]
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     base = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
@@ -375,21 +392,10 @@ def main(argv=None):
     print(f"\nquality: loss over {args.n_windows} validation windows of {W}, each position with the method "
           f"(teacher forcing); agreement: {args.n_prompts} prompts of {args.prompt_len}, {args.n_tokens} greedy tokens; "
           f"KV bytes at a full window, float32")
-    mass_table = harness.table(f"attention sinks: mean attention weight on the first {n_first} positions of queries at "
-                               f"positions {args.mass_from}-{W - 1}, full forward pass over {args.n_windows} sequences "
-                               f"of {W} (mean over layers, heads, queries; equal weights: min({n_first}, p+1)/(p+1))",
-                               mrows, MASS_COLUMNS)
-    caches = [v for v in variants if "window cache" in v or "sinks +" in v]
-    seg_rows, seg_columns = segment_table(losses, args.segment, caches)
-    seg_table = harness.table(f"streaming loss per {args.segment} characters (nats/char), window-only against "
-                              f"{args.n_sink} sinks + window, cache of {W}: the first tokens leave the window-only "
-                              f"cache at character {W}", seg_rows, seg_columns)
-    stream_table = harness.table(f"streaming {args.stream_chars} validation characters from the first document "
-                                 f"(loss per {args.segment}; tok/s: the first {args.time_tokens}, median of "
-                                 f"{args.repeats}, batch 1)", srows)
+    tables = result_tables(mrows, losses, srows, variants, W, n_first, args)
     summary = summary_lines(checks, srows, mrows, W, args.n_sink, args.segment, args.mass_from)
     harness.report(args, "main_sparse_attention.py", preset, device, rows, headline(rows, srows, args.segment),
-                   summary=summary, tables=[mass_table, seg_table, stream_table],
+                   summary=summary, tables=tables,
                    plot=lambda: plot_results(rows, losses, args.segment, W, preset),
                    attention_methods=attention_methods(rows, W), checks=checks, stream_rows=srows,
                    stream_losses=losses, segment=args.segment, mass_rows=mrows, start_steps=args.start_steps)
