@@ -161,6 +161,20 @@ def test_against_fla_naive_references(rule):
     torch.testing.assert_close(S_chk, S, atol=1e-4, rtol=1e-5)
 
 
+def test_kda_recurrent_form_against_fla_with_a_starting_state_and_a_scale():
+    """KDA's recurrent form itself (not only the chunked) against naive_recurrent_kda, from a nonzero state
+    and with fla's query scale (ours: the scale folded into q)."""
+    pytest.importorskip("fla")
+    from fla.ops.kda.naive import naive_recurrent_kda
+    q, k, v, log_a, beta = random_inputs("kda", 23)
+    S0 = 0.3 * torch.randn(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1], generator=torch.Generator().manual_seed(5))
+    o, S = naive_recurrent_kda(*map(to_fla, (q, k, v, log_a, beta)), scale=0.5, initial_state=S0.clone(),
+                               output_final_state=True)
+    o_ref, S_ref = recurrent(0.5 * q, k, v, log_a, beta, S0)
+    torch.testing.assert_close(o_ref, o.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(S_ref, S, atol=1e-5, rtol=1e-5)
+
+
 def random_model(rule, hybrid_every=None, chunk_size=4, seed=0, **config):
     """TINY GPTlite_Linear with every parameter from N(0, 0.5), as conftest's tiny_models."""
     torch.manual_seed(seed)
