@@ -259,8 +259,9 @@ def bench_rows(results, contexts):
 
 
 BENCH_COLUMNS = [("context", "context", "{}"), ("dense_ms", "dense ms", "{:.3f}")] + [
-    c for m in ("moba", "nsa", "dsa") for c in ((f"{m}_keys", f"{m.upper() if m != 'moba' else 'MoBA'} keys", "{}"),
-                                                (f"{m}_ms", "ms", "{:.3f}"), (f"{m}_speedup", "vs dense", "{:.2f}x"))]
+    c for m, name in (("moba", "MoBA"), ("nsa", "NSA"), ("dsa", "DSA"))
+    for c in ((f"{m}_keys", f"{name} keys", "{}"), (f"{m}_ms", f"{name} ms", "{:.3f}"),
+              (f"{m}_speedup", f"{name} vs dense", "{:.2f}x"))]
 STAGE_COLUMNS = [("stage", "DSA stage", "{}"), ("indexer_recall", "indexer recall", "{:.3f}"),
                  ("indexer_kl", "indexer KL", "{:.4f}"), ("val_loss", "val loss", "{:.4f}")]
 
