@@ -179,14 +179,19 @@ def plot_results(rows, args, preset, long_flops):
     return fig
 
 
+def at_fraction(rows, mask, exact):
+    """The SLA row and the sparse-only row of `mask` at the exact fraction `exact`."""
+    return tuple(next(r for r in rows if r["mask"] == mask and r["exact_target"] == exact and r["variant"].endswith(k))
+                 for k in ("SLA", "sparse only"))
+
+
 def headline(rows, args):
     """The README's row: at the sparsest exact fraction, SLA's and sparse-only's output error (and the
     causal loss against dense)."""
     least = min(args.exact)
     parts = []
     for mask in args.masks:
-        sla, sparse = (next(r for r in rows if r["mask"] == mask and r["exact_target"] == least and
-                            r["variant"].endswith(k)) for k in ("SLA", "sparse only"))
+        sla, sparse = at_fraction(rows, mask, least)
         text = f"{mask}: output error {sla['rel_error']:.3f} SLA / {sparse['rel_error']:.3f} sparse only"
         if mask == "causal":
             dense = next(r for r in rows if r["variant"] == "causal dense")
@@ -203,8 +208,7 @@ def attention_methods(rows, args):
     per mask, against dense attention and the sparse-only ablation."""
     least, methods = min(args.exact), []
     for mask in args.masks:
-        sla, sparse = (next(r for r in rows if r["mask"] == mask and r["exact_target"] == least and
-                            r["variant"].endswith(k)) for k in ("SLA", "sparse only"))
+        sla, sparse = at_fraction(rows, mask, least)
         difference = f"attention output error {sla['rel_error']:.3f} (sparse only {sparse['rel_error']:.3f})"
         if mask == "causal":
             dense = next(r for r in rows if r["variant"] == "causal dense")

@@ -16,16 +16,22 @@ from lib import corpus  # noqa: E402
 TINY = dict(vocab_size=65, d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16)
 
 
+def random_gptlite(seed=0):
+    """A TINY GPTlite in eval mode with every parameter drawn from N(0, 0.5): logits of a few units and
+    peaked attention, so a wrong mask or position shows far above the float32 tolerance (GPTlite's
+    N(0, 0.02) init gives near-uniform attention)."""
+    torch.manual_seed(seed)
+    model = GPTlite(**TINY).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
 @pytest.fixture
 def tiny_models():
-    """The same random weights in GPTlite and GPTlite_KVCache, in eval mode. Every parameter is drawn
-    from N(0, 0.5): logits of a few units and peaked attention, so a wrong mask or position shows far
-    above the float32 tolerance (GPTlite's N(0, 0.02) init gives near-uniform attention)."""
-    torch.manual_seed(0)
-    base = GPTlite(**TINY).eval()
-    with torch.no_grad():
-        for p in base.parameters():
-            p.normal_(0.0, 0.5)
+    """The same random weights (random_gptlite) in GPTlite and GPTlite_KVCache, in eval mode."""
+    base = random_gptlite()
     cached = GPTlite_KVCache(**TINY).eval()
     cached.load_state_dict(base.state_dict())
     return base, cached

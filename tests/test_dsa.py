@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, random_gptlite
 
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
@@ -17,15 +17,6 @@ from lib.dsa import (DSACache, GPTlite_DSA, GPTlite_DSA_KVCache, LightningIndexe
 
 ATOL = 1e-5  # float32 outputs and logits of a few units
 
-
-def random_gptlite(seed=0):
-    """As conftest's tiny_models: every parameter from N(0, 0.5), peaked attention."""
-    torch.manual_seed(seed)
-    model = GPTlite(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    return model
 
 
 def random_dsa(top_k, seed=0, n_index_heads=3, d_index=4):

@@ -6,11 +6,9 @@ import math
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, random_gptlite
 
-import inference_utils as iu
 import main_moba
-from gptlite import GPTlite
 from lib import files, harness, presets, training
 from lib.moba import (GPTlite_MoBA, attention_cost, check_moba_args, keys_read, moba_attention, moba_flex_attention,
                       moba_mask, select_blocks)
@@ -98,15 +96,6 @@ def test_keys_read_and_costs_count_the_mask(block_size, top_k):
     assert kv == 3 * 2 * 8 * 4 * (2 * counted[0, 0, -1].item() + means)
     assert attention_cost(36, None, 1, n_heads=2, d_head=8, n_layers=3) == (3 * 2 * 8 * 4 * 37, 3 * 2 * 8 * 4 * 2 * 37)
 
-
-def random_gptlite(seed=0):
-    """As conftest's tiny_models: every parameter from N(0, 0.5), peaked attention."""
-    torch.manual_seed(seed)
-    model = GPTlite(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    return model
 
 
 def test_gptlite_moba_of_every_block_gives_gptlite_logits_and_fewer_blocks_do_not():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, random_gptlite
 
 from gptlite import GPTlite
 from lib import nsa
@@ -142,15 +142,6 @@ def test_the_first_and_own_blocks_are_always_selected():
     assert chosen[..., 0].all()
     assert chosen.gather(-1, own.view(1, 1, 37, 1).expand(2, 2, 37, 1)).all()
     assert (chosen.sum(-1) == torch.clamp(own + 1, max=2)).all()
-
-
-def random_gptlite(seed=0):
-    torch.manual_seed(seed)
-    model = GPTlite(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)  # peaked attention: a wrong key would show
-    return model
 
 
 def test_fixed_gates_at_full_selection_give_gptlites_logits():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, random_gptlite
 
 import main_sla
 from gptlite import GPTlite
@@ -141,14 +141,6 @@ def test_every_tile_exact_is_dense_attention_whatever_the_projection(causal):
         assert torch.allclose(sla_attention(Q, K, V, 4, 1.0, 0.0, causal, proj=proj), reference, atol=ATOL)
         assert not torch.allclose(sla_attention(Q, K, V, 4, 0.25, 0.0, causal, proj=proj), reference, atol=1e-3)
 
-
-def random_gptlite(seed=0):
-    torch.manual_seed(seed)
-    model = GPTlite(**TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    return model
 
 
 def test_gptlite_sla_of_every_tile_gives_gptlite_logits_and_loads_its_weights():
