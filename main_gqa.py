@@ -123,8 +123,8 @@ def attention_methods(rows, steps, seqlen):
     return [attention_summary.method_row(
         r["variant"], False, f"val loss {r['loss_vs_mha']:+.4f} after uptraining ({r['loss_converted'] - mha['loss_converted']:+.4f} "
         "converted)", steps, f"{steps} uptraining steps after conversion", "KV cache",
-        f"{1 / r['kv_vs_mha']:.0f}x smaller; TPOT at batch {r['batch_size']} {r['tpot_ms']:.2f} ms against MHA's "
-        f"{mha['tpot_ms']:.2f}", f"any context (the cache shrinks at every length; measured at {seqlen} tokens)")
+        f"{1 / r['kv_vs_mha']:.0f}x smaller; TPOT at batch {r['batch_size']} {attention_summary.ms(r['tpot_ms'])} "
+        f"against MHA's {attention_summary.ms(mha['tpot_ms'])}", f"any context (the cache shrinks at every length; measured at {seqlen} tokens)")
         for r in rows[1:]]
 
 

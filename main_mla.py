@@ -176,8 +176,8 @@ def attention_methods(rows, steps, full, seqlen):
     return [attention_summary.method_row(
         f"MLA (latent {r['d_latent']})", False, f"val loss {r['loss_vs_mha']:+.4f} after uptraining", steps,
         f"SVD conversion, {steps} uptraining steps", "KV cache",
-        f"{1 / r['kv_vs_mha']:.0f}x smaller; TPOT at batch {r['batch_size']} {r['tpot_ms']:.2f} ms against MHA's "
-        f"{mha['tpot_ms']:.2f} (absorbed)", f"any context (the cache shrinks at every length; measured at {seqlen} tokens)")
+        f"{1 / r['kv_vs_mha']:.0f}x smaller; TPOT at batch {r['batch_size']} {attention_summary.ms(r['tpot_ms'])} "
+        f"against MHA's {attention_summary.ms(mha['tpot_ms'])} (absorbed)", f"any context (the cache shrinks at every length; measured at {seqlen} tokens)")
         for r in rows if r["absorb"] == "yes" and r["d_latent"] < full]
 
 

@@ -31,6 +31,11 @@ def method_row(method, exact, difference, training_steps, training, reduces, red
     return dict(texts, exact=exact, training_steps=training_steps)
 
 
+def ms(value):
+    """A time in a cell: '-' where the run could not measure it (a TPOT below the timer's noise is None)."""
+    return "-" if value is None else f"{value:.2f} ms"
+
+
 def first_context_below(contexts, times, base_times):
     """The first context at which `times` is below `base_times` and stays below at every longer one
     (None: never, or not from some context on)."""

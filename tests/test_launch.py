@@ -220,7 +220,12 @@ def test_a_stopped_reproduce_ends_the_script_it_runs(tmp_path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     (tmp_path / "README.md").write_text("<!-- reproduce:s:table -->\n<!-- /reproduce:s:table -->\n"
                                         "<!-- reproduce:summary:table -->\n<!-- /reproduce:summary:table -->\n"
-                                        "<!-- reproduce:checkpoints:table -->\n<!-- /reproduce:checkpoints:table -->\n")
+                                        "<!-- reproduce:checkpoints:table -->\n<!-- /reproduce:checkpoints:table -->\n"
+                                        "<!-- reproduce:attention_summary:table -->\n"
+                                        "<!-- /reproduce:attention_summary:table -->\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "attention_summary.md").write_text("<!-- reproduce:attention_summary:table -->\n"
+                                                            "<!-- /reproduce:attention_summary:table -->\n")
     (tmp_path / "pids").mkdir()
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import reproduce; "
             f"from pathlib import Path; reproduce.ROOT = Path({str(tmp_path)!r}); "

@@ -127,7 +127,9 @@ def test_bad_latent_sizes_and_caches_are_clear_errors(tiny_models):
         generate_kvcache(mla, prompt, 3, SEQLEN, kv_cache=other_latent)
 
 
-def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, one_batch_validation):
+def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, one_batch_validation,
+                                                  unmeasurable_tpot):
+    unmeasurable_tpot("MLA-32 absorbed")
     out_json, out_png = tmp_path / "mla.json", tmp_path / "mla.png"
     main_mla.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                    "--n-tokens", "4", "--repeats", "1", "--latents", "32", "64", "--json", str(out_json),
@@ -148,6 +150,9 @@ def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, o
         assert r["val_loss"] > 0 and r["loss_converted"] > 0
         assert r["loss_vs_mha"] == pytest.approx(r["val_loss"] - rows["MHA"]["val_loss"], abs=1e-4)
     assert [(g["variant"], g["cache_per_token"]) for g in result["gqa_points"]] == [("GQA-2", 128), ("MQA", 64)]
+    summary = {m["method"]: m for m in result["attention_methods"]}  # the summary's rows, a TPOT unmeasured
+    assert list(summary) == ["MLA (latent 64)", "MLA (latent 32)"] and not any(m["exact"] for m in summary.values())
+    assert "TPOT at batch 2 - against MHA's" in summary["MLA (latent 32)"]["reduction"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
