@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import inference_utils  # noqa: E402
 from gptlite import GPTlite  # noqa: E402
 from gptlite_kvcache import GPTlite_KVCache  # noqa: E402
-from lib import corpus  # noqa: E402
+from lib import corpus, training  # noqa: E402
 
 # A tiny GPTlite with n_heads * d_head (24) != d_model (32), like the post's preset (384 against 512).
 TINY = dict(vocab_size=65, d_model=32, n_heads=3, d_head=8, n_layers=2, dropout_p=0.0, seqlen=16)
@@ -44,6 +44,14 @@ def real_data():
     if not path or not Path(path).is_file():
         pytest.skip("GPTLITE_DATA does not point at tinyshakespeare.txt (CI sets it; tests never download)")
     return corpus.load_data(path)
+
+
+@pytest.fixture
+def one_batch_validation(monkeypatch):
+    """Validation on one batch instead of 20 (10 inside train_steps): a script's logic, not its precision."""
+    validation_loss = training.validation_loss
+    monkeypatch.setattr(training, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
+        model, data, n_batches=1, **kw))
 
 
 @pytest.fixture

@@ -168,13 +168,6 @@ def test_saved_gqa_checkpoint_loads_with_its_config(tmp_path):
         load_gqa(path)
 
 
-@pytest.fixture
-def one_batch_validation(monkeypatch):
-    """Validation on one batch instead of 20 (10 inside train_steps): the script's logic, not its precision."""
-    validation_loss = training.validation_loss
-    monkeypatch.setattr(training, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
-        model, data, n_batches=1, **kw))
-
 
 @pytest.fixture
 def diverging_loss(monkeypatch):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from conftest import TINY
-from test_gqa import (diverging_loss, greedy_without_cache, one_batch_validation, positive_or_none,  # noqa: F401
+from test_gqa import (diverging_loss, greedy_without_cache, positive_or_none,  # noqa: F401
                       prefill_then_steps, random_tokens)
 
 import inference_utils as iu

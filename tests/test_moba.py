@@ -189,13 +189,6 @@ def test_uptrained_models_are_saved_and_reused_only_with_the_same_budget(real_da
     assert files.load_checkpoint(path)["meta"]["stamp"]["base_sha256"] == "other"
 
 
-@pytest.fixture
-def one_batch_validation(monkeypatch):
-    """Validation on one batch instead of 20 (10 inside train_steps): the script's logic, not its precision."""
-    validation_loss = training.validation_loss
-    monkeypatch.setattr(training, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
-        model, data, n_batches=1, **kw))
-
 
 def test_main_moba_runs_checks_and_writes_json_and_plot(real_data, tmp_path, capsys, monkeypatch,
                                                         one_batch_validation):

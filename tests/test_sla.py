@@ -10,7 +10,7 @@ from conftest import TINY, random_gptlite
 
 import main_sla
 from gptlite import GPTlite
-from lib import harness, training
+from lib import harness
 from lib.sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, attention_flops, check_sla_args, classify_blocks,
                      dense_attention, linear_part, sla_attention, sparse_part, tile_counts)
 
@@ -268,12 +268,6 @@ def test_the_script_checks_catch_a_wrong_classification(monkeypatch):
     checks = main_sla.run_checks(base, window, inputs, 4, [0.25], 0.25, ["bidirectional"], "softmax")
     assert not checks["classification = tile-by-tile loop (bidirectional)"]
 
-
-@pytest.fixture
-def one_batch_validation(monkeypatch):
-    validation_loss = training.validation_loss
-    monkeypatch.setattr(training, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
-        model, data, n_batches=1, **kw))
 
 
 QUICK = ["--untrained", "--preset", "cpu", "--device", "cpu", "--exact", "0.25", "0.1", "--fit-steps", "2",

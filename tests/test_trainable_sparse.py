@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import main_trainable_sparse
-from lib import attention_benchmark, files, harness, moba, training
+from lib import attention_benchmark, files, harness, moba
 from lib.dsa import dsa_decode
 
 ATOL = 1e-6  # float32 attention outputs on random unit inputs
@@ -57,13 +57,6 @@ def test_benchmark_passes_each_variants_cache():
     assert seen["means"] == (1, 2, 3, 8)  # the last context's: 48 keys in blocks of 16
     assert results["plain"]["context"] == results["cached"]["context"] == [32, 48] and "peak_mb" not in results["plain"]
 
-
-@pytest.fixture
-def one_batch_validation(monkeypatch):
-    """Validation on one batch (train_steps' and sparse_uptrain's too): the script's logic, not its precision."""
-    validation_loss = training.validation_loss
-    monkeypatch.setattr(training, "validation_loss", lambda model, data, n_batches=20, **kw: validation_loss(
-        model, data, n_batches=1, **kw))
 
 
 def test_main_trainable_sparse_runs_checks_and_writes_json_and_plot(real_data, tmp_path, capsys, monkeypatch,
