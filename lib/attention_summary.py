@@ -11,7 +11,6 @@ in the README (`short_table`). A row says:
 - reduces: what it makes smaller and by how much, measured (bytes, FLOPs, KV cache, time);
 - pays: the context length from which it pays on the machine of the run, or why it does not there.
 """
-FIELDS = ("method", "exact", "difference", "training_steps", "training", "reduces", "reduction", "pays")
 ORDER = ("main_flash_attention.py", "main_flash_decoding.py", "main_gqa.py", "main_mla.py", "main_sage_attention.py",
          "main_sparse_attention.py", "main_trainable_sparse.py", "main_linear_attention.py", "main_sla.py")  # the post's
 

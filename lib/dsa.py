@@ -158,6 +158,16 @@ class DSAConfig(GPTliteConfig):
     d_index: int        # dimensions of an index query and of the (shared) index key
 
 
+def use_dsa(model, attention_class, config):
+    """Every block of a freshly built GPTlite (cached or not) attends with `attention_class`, initialised
+    as GPTlite initialises its weights; `config` (a DSAConfig) becomes the model's."""
+    for block in model.blocks:
+        block.mha = attention_class(config.d_model, config.n_heads, config.d_head, config.dropout_p, config.top_k,
+                                    config.n_index_heads, config.d_index)
+    model.apply(model._init_weights)
+    model.config = config
+
+
 class GPTlite_DSA(GPTlite):
     """GPTlite whose every block attends with DSA. Its state dict is GPTlite's plus the indexers'
     (blocks.<i>.mha.indexer.*): dsa_from_dense loads a dense checkpoint and keeps the new indexers."""
@@ -167,11 +177,9 @@ class GPTlite_DSA(GPTlite):
                  d_index, d_ff=None):
         check_dsa_args(top_k, n_index_heads, d_index)
         super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
-        for block in self.blocks:
-            block.mha = MultiHeadAttention_DSA(d_model, n_heads, d_head, dropout_p, top_k, n_index_heads, d_index)
-        self.apply(self._init_weights)
-        self.config = DSAConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff,
-                                top_k=top_k, n_index_heads=n_index_heads, d_index=d_index)
+        use_dsa(self, MultiHeadAttention_DSA, DSAConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p,
+                                                        seqlen, d_ff, top_k=top_k, n_index_heads=n_index_heads,
+                                                        d_index=d_index))
 
     def attentions(self):
         return [block.mha for block in self.blocks]
@@ -180,7 +188,7 @@ class GPTlite_DSA(GPTlite):
         return [p for mha in self.attentions() for p in mha.indexer.parameters()]
 
     def set_top_k(self, top_k):
-        check_positive_int(top_k, "--dsa-top-k", "past tokens each query attends to, itself included")
+        check_dsa_args(top_k, self.config.n_index_heads, self.config.d_index)
         for mha in self.attentions():
             mha.top_k = top_k
         self.config = dataclasses.replace(self.config, top_k=top_k)
@@ -345,12 +353,9 @@ class GPTlite_DSA_KVCache(GPTlite_KVCache):
                  d_index, d_ff=None):
         check_dsa_args(top_k, n_index_heads, d_index)
         super().__init__(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff)
-        for block in self.blocks:
-            block.mha = MultiHeadAttention_DSA_KVCache(d_model, n_heads, d_head, dropout_p, top_k, n_index_heads,
-                                                       d_index)
-        self.apply(self._init_weights)
-        self.config = DSAConfig(vocab_size, d_model, n_heads, d_head, n_layers, dropout_p, seqlen, d_ff,
-                                top_k=top_k, n_index_heads=n_index_heads, d_index=d_index)
+        use_dsa(self, MultiHeadAttention_DSA_KVCache, DSAConfig(vocab_size, d_model, n_heads, d_head, n_layers,
+                                                                dropout_p, seqlen, d_ff, top_k=top_k,
+                                                                n_index_heads=n_index_heads, d_index=d_index))
 
     @classmethod
     def of(cls, model):
