@@ -105,15 +105,17 @@ def rebuild_command(preset):
     return f"python gptlite_rope.py --preset {preset.name}"
 
 
-def train_rope(preset, data, device, iters=None, seed=0, path=None):
-    """Train GPTlite_RoPE with gptlite.py's recipe (steps, batch, learning rate, seed); save it atomically."""
-    recipe = iu.preset_recipe(preset, iters, seed)
+def train_rope(preset, data, device, iters=None, seed=0, path=None, overwrite=False):
+    """Train GPTlite_RoPE with gptlite.py's recipe (steps, batch, learning rate, seed); save it atomically (a
+    trained file of another recipe is replaced only with `overwrite`)."""
+    recipe, path = iu.preset_recipe(preset, iters, seed), path or rope_checkpoint(preset)
+    iu.check_replace(path, recipe, overwrite)
     torch.manual_seed(seed)
     model = GPTlite_RoPE(**preset.gptlite_kwargs()).to(device)
     print(f"training the rotary GPTlite ({iu.n_params(model) / 1e6:.2f}M parameters) for {recipe['iters']} steps "
           f"on {device}")
     train = lambda m: iu.train_recipe(m, data, recipe, f"training {preset.name}_rope")  # noqa: E731
-    return iu.train_and_save(model, model.config.to_dict(), path or rope_checkpoint(preset), train, data.vocab,
+    return iu.train_and_save(model, model.config.to_dict(), path, train, data.vocab,
                              rebuild_command(preset), stamp=recipe)[0]
 
 

@@ -83,18 +83,38 @@ def train_and_save(model, config, path, train, vocab, rebuild, stamp=None):
     return model.eval(), t.seconds
 
 
-def train_checkpoint(preset, data, device, iters=None, seed=0, path=None):
+def check_replace(path, stamp, overwrite=False):
+    """Before a training command writes `path`: a trained checkpoint there of another recipe (`stamp`) is
+    replaced only with `overwrite` (every script would then retrain or use it); a GPTliteError says so before
+    any work. Prints what is replaced."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        old = load_checkpoint(path)["meta"].get("stamp")
+    except CheckpointError:
+        print(f"replacing {path}, which is damaged")
+        return
+    if old != stamp and not overwrite:
+        raise GPTliteError(f"{path} holds a checkpoint trained with another recipe ({old}); this run's ({stamp}) "
+                           "would replace it: add --overwrite to replace it, or --out PATH to write elsewhere")
+    print(f"replacing {path} (trained with {'the same recipe' if old == stamp else old})")
+
+
+def train_checkpoint(preset, data, device, iters=None, seed=0, path=None, overwrite=False):
     """Train a GPTlite of `preset` from a fixed seed and save it as checkpoints/<preset>.pt (or `path`):
-    gptlite.py's command. A diverged run raises TrainingDiverged before saving."""
+    gptlite.py's command. A trained file of another recipe there is replaced only with `overwrite`. A
+    diverged run raises TrainingDiverged before saving."""
     preset, recipe = get_preset(preset), preset_recipe(get_preset(preset), iters, seed)
+    path = path or checkpoint_path(preset.name)
+    check_replace(path, recipe, overwrite)
     torch.manual_seed(seed)
     model = GPTlite(**preset.gptlite_kwargs()).to(device)
     print(f"training preset {preset.name!r} ({n_params(model) / 1e6:.2f}M parameters) for {recipe['iters']} "
           f"steps on {device}")
     rebuild = gptlite_command(preset.name, iters if recipe["iters"] != preset.iters else None, seed)
     train = lambda m: train_recipe(m, data, recipe, f"training {preset.name}")  # noqa: E731
-    return train_and_save(model, model.config.to_dict(), path or checkpoint_path(preset.name), train, data.vocab,
-                          rebuild, stamp=recipe)[0]
+    return train_and_save(model, model.config.to_dict(), path, train, data.vocab, rebuild, stamp=recipe)[0]
 
 
 def load_model(model_class, preset, device="cpu", data=None, untrained=False, path=None, seed=0, rebuild=None,

@@ -51,7 +51,7 @@ def parse_args(argv):
                         "max-autotune compile for minutes per shape on a CPU)")
     parser.add_argument("--engines", nargs="*", default=list(ENGINES), choices=list(ENGINES),
                         help="inference engines to compare with (none: no engine rows)")
-    parser.add_argument("--threads", type=harness.int_at_least(1), nargs="+", default=None,
+    parser.add_argument("--threads", type=harness.thread_count, nargs="+", default=None,
                         help="thread counts each row is timed at, the fastest kept (default: 1 and all cores)")
     args = parser.parse_args(argv)
     return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))

@@ -314,7 +314,7 @@ def parse_args(argv):
     parser.add_argument("--block-size", type=at_least(1), default=8, help="tokens per KV block of the paged engine")
     parser.add_argument("--n-blocks", type=at_least(1), default=None,
                         help="KV blocks in the pool (default: batch-size * seqlen / block-size, a contiguous cache's memory)")
-    parser.add_argument("--chunk-size", type=at_least(1), default=16, help="prefill tokens per step with chunked prefill")
+    parser.add_argument("--chunk-size", type=at_least(1, harness.MAX_SIZE), default=16, help="prefill tokens per step with chunked prefill")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
                         help="the variants to run (default: all but shared): static and continuous batching (the "
                              "post's, no cache), the paged engine with whole prompts, with chunked prefill, with "
@@ -335,6 +335,8 @@ def parse_args(argv):
     if args.plot and not args.sweep_batch_sizes:
         parser.error("--plot draws the batch-size sweep, which only --sweep-batch-sizes measures: add it, "
                      "e.g. --sweep-batch-sizes 2 4 8 16")
+    harness.check_applies(parser, args, ["--system-len", "--turns", "--think-time"], "--prefix-sharing",
+                          args.prefix_sharing)
     args.variants = args.variants or list(VARIANTS[:4])
     return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
 

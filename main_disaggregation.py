@@ -184,10 +184,10 @@ def parse_args(argv):
     serving.add_trace_args(parser, n_requests=64, rate=40.0)
     parser.set_defaults(prompt_median=80, output_median=24)  # long prompts: prefills interfere with decodes
     add = parser.add_argument
-    add("--batch-size", type=harness.int_at_least(1), default=8, help="batch slots of the decode side (and of prefill)")
-    add("--block-size", type=harness.int_at_least(1), default=8, help="tokens per KV block of the paged pools")
-    add("--chunk-size", type=harness.int_at_least(1), default=16, help="prefill tokens per step of the chunked colocated engine")
-    add("--timeout", type=harness.int_at_least(1), default=300,
+    add("--batch-size", type=harness.int_at_least(1, harness.MAX_SIZE), default=8, help="batch slots of the decode side (and of prefill)")
+    add("--block-size", type=harness.int_at_least(1, harness.MAX_SIZE), default=8, help="tokens per KV block of the paged pools")
+    add("--chunk-size", type=harness.int_at_least(1, harness.MAX_SIZE), default=16, help="prefill tokens per step of the chunked colocated engine")
+    add("--timeout", type=harness.int_at_least(1, 3600), default=300,
         help="seconds a rank waits for its peer (a transfer, or the barrier while the other runs the colocated "
              "engine) before it stops with an error; a peer that dies is reported at once")
     args = parser.parse_args(argv)

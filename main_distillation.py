@@ -114,9 +114,9 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--iters", type=harness.int_at_least(1), default=None, help=f"training steps of each student "
+    add("--iters", type=harness.steps, default=None, help=f"training steps of each student "
         f"(default: {DEFAULT_ITERS['cpu']} for the cpu preset, else the student preset's)")
-    add("--temperature", type=harness.positive_float, default=2.0, help="softening temperature T of the soft labels")
+    add("--temperature", type=harness.temperature, default=2.0, help="softening temperature T of the soft labels")
     add("--alpha", type=harness.float_in(0, 1, low_open=True, high_open=True), default=0.5,
         help="weight of the hard labels in the soft + hard student, in (0, 1)")
     add("--batch-size", type=harness.int_at_least(1), default=None, help="training batch (default: the preset's)")

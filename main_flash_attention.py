@@ -221,13 +221,13 @@ def parse_args(argv):
     parser = harness.script_parser(__doc__)
     at_least = harness.int_at_least
     harness.add_generation_flags(parser, batch_size=8, prompt_len=64, n_tokens=64, repeats=5)
-    parser.add_argument("--val-batches", type=at_least(1), default=20,
+    parser.add_argument("--val-batches", type=harness.batches, default=20,
                         help="validation batches (of 32 x seqlen) for the loss")
     parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192],
                         help="context lengths of the long-context attention benchmark, increasing")
     parser.add_argument("--bench-batch", type=at_least(1), default=1,
                         help="batch of the long-context benchmark (naive attention holds batch*heads*n^2 scores)")
-    parser.add_argument("--bench-repeats", type=at_least(1), default=3,
+    parser.add_argument("--bench-repeats", type=harness.repeats, default=3,
                         help="timed runs per context length, median taken (naive attention at 8,192 takes seconds)")
     parser.add_argument("--window", type=at_least(1), default=256, help="FlexAttention's sliding window, in tokens")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (it compiles a kernel first)")

@@ -81,9 +81,9 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--uptrain-steps", type=harness.int_at_least(1), default=None,
+    add("--uptrain-steps", type=harness.steps, default=None,
         help="training steps after conversion, for every variant (default: 5%% of the preset's)")
-    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
+    add("--lr", type=harness.learning_rate, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
     harness.add_generation_flags(parser, batch_size=64, prompt_len=32, n_tokens=64, repeats=3)
     add("--save", default=None, metavar="PATH",
         help="also save the uptrained GQA model there (default: not saved); load it with gptlite_gqa.load_gqa")

@@ -223,8 +223,8 @@ def parse_args(argv):
     add("--contexts", type=harness.int_at_least(1), nargs="+", default=[128, 256, 512, 1024],
         help="prompt lengths of the memory and time part (tokens)")
     harness.add_generation_flags(parser, batch_size=4, n_tokens=16, repeats=3, least_tokens=1)
-    add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
-    add("--lm-iters", type=harness.int_at_least(1), default=None,
+    add("--val-batches", type=harness.batches, default=20, help="validation batches of 32 windows per loss")
+    add("--lm-iters", type=harness.steps, default=None,
         help=f"training steps of every language model, the softmax control included (default {LM_ITERS})")
     add("--full-recipe", action="store_true",
         help="train every language model with the preset's full recipe (its own step count, e.g. 800 for cpu)")
@@ -234,8 +234,8 @@ def parse_args(argv):
         help="numbers of key-value pairs of the recall evaluation; training draws 1 to the largest (default: the recipe's)")
     add("--recall-full", action="store_true",
         help=f"the Zoology-like recall recipe {RECALL_FULL} instead of the CPU default {RECALL_QUICK}")
-    add("--recall-steps", type=harness.int_at_least(1), help="training steps of each recall model (default: the recipe's)")
-    add("--recall-lr", type=harness.positive_float, help="peak learning rate of the recall models (default: the recipe's)")
+    add("--recall-steps", type=harness.steps, help="training steps of each recall model (default: the recipe's)")
+    add("--recall-lr", type=harness.learning_rate, help="peak learning rate of the recall models (default: the recipe's)")
     add("--recall-batch", type=harness.int_at_least(1), help="sequences per recall training step (default: the recipe's)")
     add("--recall-keys", type=harness.int_at_least(2),
         help="distinct keys (and as many values) of the recall task (default: the recipe's)")

@@ -136,9 +136,9 @@ def parse_args(argv):
     parser.add_argument("--latents", type=harness.int_at_least(1), nargs="+", default=None,
                         help="latent sizes d_latent of the sweep (default: the full rank, 1/2 and 1/4 of it)")
     add = parser.add_argument
-    add("--uptrain-steps", type=harness.int_at_least(1), default=None,
+    add("--uptrain-steps", type=harness.steps, default=None,
         help="training steps after conversion, for every variant (default: 5%% of the preset's)")
-    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
+    add("--lr", type=harness.learning_rate, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
     harness.add_generation_flags(parser, batch_size=64, prompt_len=32, n_tokens=64, repeats=3)
     args = parser.parse_args(argv)
 

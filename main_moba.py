@@ -127,10 +127,10 @@ def parse_args(argv):
     add("--block-size", type=harness.int_at_least(1), default=16, help="tokens per key block")
     add("--top-k", type=harness.int_at_least(1), nargs="+", default=[4, 2, 1],
         help="blocks read per query (its own included), one variant each; dense attention is added as the control")
-    add("--uptrain-steps", type=harness.int_at_least(1), default=None,
+    add("--uptrain-steps", type=harness.steps, default=None,
         help="MoBA training steps of every variant (default: 5%% of the preset's)")
-    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
-    add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches (of 32 x seqlen) for the loss")
+    add("--lr", type=harness.learning_rate, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
+    add("--val-batches", type=harness.batches, default=20, help="validation batches (of 32 x seqlen) for the loss")
     add("--no-flex", action="store_true", help="leave FlexAttention out: the explicit mask everywhere")
     args = parser.parse_args(argv)
 

@@ -258,22 +258,24 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--iters", type=harness.int_at_least(1), default=400, help="training steps of each of the four models")
+    add("--iters", type=harness.steps, default=400, help="training steps of each of the four models")
     add("--n-experts", type=harness.int_at_least(1), default=8, help="experts per MoE layer")
     add("--top-k", type=harness.int_at_least(1), default=2, help="experts each token is routed to")
-    add("--d-expert", type=harness.int_at_least(1), default=None,
+    add("--d-expert", type=harness.int_at_least(1, harness.MAX_SIZE), default=None,
         help="hidden neurons of one expert (default: the preset's d_ff / n_experts, so that E experts hold d_ff)")
     add("--router", choices=("softmax", "sigmoid"), default="softmax",
         help="softmax top-k (balanced by the auxiliary loss) or DeepSeek-V3's sigmoid (balanced by the selection bias)")
-    add("--aux-weight", type=harness.float_in(0.0, low_open=True), default=0.01,
+    add("--aux-weight", type=harness.float_in(0.0, 100.0, low_open=True), default=0.01,
         help="weight of Switch's balancing loss in the balanced softmax MoE")
-    add("--bias-rate", type=harness.float_in(0.0, low_open=True), default=1e-3,
+    add("--bias-rate", type=harness.float_in(0.0, 1.0, low_open=True), default=1e-3,
         help="selection-bias step of the balanced sigmoid MoE (DeepSeek-V3's gamma)")
-    add("--capacity-factors", type=harness.float_in(0.0, low_open=True), nargs="+", default=[1.0, 1.25, 2.0],
+    add("--capacity-factors", type=harness.float_in(0.0, 100.0, low_open=True), nargs="+", default=[1.0, 1.25, 2.0],
         help="capacity factors whose dropped assignments are counted (each > 0)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)
-    add("--val-batches", type=harness.int_at_least(1), default=20, help="validation batches of 32 windows per loss")
+    add("--val-batches", type=harness.batches, default=20, help="validation batches of 32 windows per loss")
     args = parser.parse_args(argv)
+    harness.check_applies(parser, args, ["--bias-rate"], "--router sigmoid", args.router == "sigmoid")
+    harness.check_applies(parser, args, ["--aux-weight"], "--router softmax", args.router == "softmax")
     args.capacity_factors = sorted(set(args.capacity_factors))
 
     def check_args(preset):

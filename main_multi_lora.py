@@ -181,21 +181,21 @@ def parse_args(argv):
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
     add("--rank", type=harness.int_at_least(1), default=8, help="LoRA rank r of every adapter")
-    add("--alpha", type=harness.positive_float, default=None, help="LoRA alpha; the update is scaled by alpha / r "
+    add("--alpha", type=harness.float_in(0.0, 1024.0, low_open=True), default=None, help="LoRA alpha; the update is scaled by alpha / r "
         "(default: 2 * rank)")
     add("--targets", nargs="+", choices=LORA_TARGETS, default=list(ATTENTION_TARGETS), metavar="MODULE",
         help=f"linear layers the adapters change, in every block: some of {', '.join(LORA_TARGETS)} "
              "(default: the four attention projections)")
     add("--speakers", nargs="+", default=list(SPEAKERS), metavar="NAME",
         help="one adapter per speaker, trained on that speaker's turns (names as in the text, upper case)")
-    add("--lora-steps", type=harness.int_at_least(1), default=200, help="fine-tuning steps of each adapter")
+    add("--lora-steps", type=harness.steps, default=200, help="fine-tuning steps of each adapter")
     add("--lora-batch-size", type=harness.int_at_least(1), default=8, help="fine-tuning batch, in windows of seqlen")
-    add("--lr", type=harness.positive_float, default=1e-3,
+    add("--lr", type=harness.learning_rate, default=1e-3,
         help="peak learning rate of fine-tuning (3e-3 overfits the smaller speakers within 200 steps)")
     harness.add_generation_flags(parser, batch_size=32, prompt_len=16, n_tokens=32, repeats=3)
     add("--adapter-counts", nargs="+", type=harness.int_at_least(1), default=[1, 2, 4, 8, 16, 32], metavar="N",
         help="distinct adapters in the batch, one point each (at most --batch-size)")
-    add("--val-batches", type=harness.int_at_least(1), default=20,
+    add("--val-batches", type=harness.batches, default=20,
         help="validation batches (32 windows each) per loss figure")
     args = parser.parse_args(argv)
     args.alpha = args.alpha if args.alpha is not None else 2.0 * args.rank

@@ -170,17 +170,19 @@ def cold_read_mb_s(path, repeats):
 def headline(rows, tier):
     by = {(r["variant"], r["batch_size"]): r for r in rows}
     batches = sorted({r["batch_size"] for r in rows})
-    low, high = batches[0], batches[-1]
+    ends = batches[:1] if len(batches) == 1 else [batches[0], batches[-1]]  # one batch size: named once
 
-    def x(key, b):  # offload / resident at batch b, '-' where unmeasurable
-        value = iu.ratio(by["offload", b][key], by["resident", b][key])
-        return "-" if value is None else f"{value:.2f}x"
-    hidden = by["offload", low]["hidden_pct"]
+    def x(key):  # offload / resident at the smallest and largest batch, '-' where unmeasurable
+        ratios = [(iu.ratio(by["offload", b][key], by["resident", b][key]), b) for b in ends]
+        return ", ".join(f"{'-' if value is None else f'{value:.2f}x'} at batch {b}" for value, b in ratios)
+    hidden = by["offload", ends[0]]["hidden_pct"]
+    unmeasured = any(by[v, b]["tpot_ms"] is None for v in ("offload", "resident") for b in ends)
+    why = ("; TPOT '-': the decode time was within the timing noise, raise --n-tokens or --repeats"
+           if unmeasured else "")
     return dict(technique=f"offloading (ZeRO-Inference), blocks streamed from {tier}, next block prefetched",
-                figure=f"TPOT offload / resident: {x('tpot_ms', low)} at batch {low}, {x('tpot_ms', high)} at batch "
-                       f"{high}; throughput: {x('tokens_per_s', low)} at batch {low}, {x('tokens_per_s', high)} at "
-                       f"batch {high}; the prefetch hides {'-' if hidden is None else f'{hidden:.0f}%'} of the "
-                       f"transfer at batch {low}; the same tokens")
+                figure=f"TPOT offload / resident: {x('tpot_ms')}; throughput: {x('tokens_per_s')}; the prefetch "
+                       f"hides {'-' if hidden is None else f'{hidden:.0f}%'} of the transfer at batch {ends[0]}; "
+                       f"the same tokens{why}")
 
 
 def plot_results(rows, preset, device, tier):

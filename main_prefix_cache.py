@@ -258,7 +258,7 @@ def parse_args(argv):
                         help="questions after the shared system prompt served by the store (the last one is timed)")
     parser.add_argument("--turns", type=at_least(2), default=4, help="turns of the multi-turn conversation")
     parser.add_argument("--block-size", type=at_least(1), default=16, help="tokens per block of the PrefixCache store")
-    parser.add_argument("--capacity-tokens", type=at_least(1), default=4096,
+    parser.add_argument("--capacity-tokens", type=at_least(1, 1 << 24), default=4096,
                         help="tokens the store holds before evicting least recently used blocks")
     args = parser.parse_args(argv)
     return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))

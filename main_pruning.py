@@ -270,19 +270,19 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     add = parser.add_argument
-    add("--iters", type=harness.int_at_least(1), default=None,
+    add("--iters", type=harness.steps, default=None,
         help=f"distillation steps of each variant (default: {DEFAULT_ITERS['cpu']} for the cpu preset, else 2000)")
     add("--keep", type=harness.float_in(0, 1, low_open=True, high_open=True), default=0.5,
         help="fraction of the heads and MLP neurons kept per block, in (0, 1)")
     add("--step", type=harness.float_in(0, 1, low_open=True), default=0.1,
         help="fraction of the original heads and neurons removed per iterative step (at most 1 - --keep)")
-    add("--temperature", type=harness.positive_float, default=2.0, help="softening temperature T of the soft labels")
+    add("--temperature", type=harness.temperature, default=2.0, help="softening temperature T of the soft labels")
     add("--alpha", type=harness.float_in(0, 1), default=0.0, help="weight of the hard labels in the distillation loss")
-    add("--lr", type=harness.positive_float, default=None, help="peak learning rate of distillation (default: the preset's)")
+    add("--lr", type=harness.learning_rate, default=None, help="peak learning rate of distillation (default: the preset's)")
     add("--batch-size", type=harness.int_at_least(1), default=None,
         help="distillation and calibration batch (default: the preset's)")
-    add("--calib-batches", type=harness.int_at_least(1), default=8, help="calibration batches of the importance scores")
-    add("--random-draws", type=harness.int_at_least(1), default=5, help="random prunings compared with the pruning by importance")
+    add("--calib-batches", type=harness.batches, default=8, help="calibration batches of the importance scores")
+    add("--random-draws", type=harness.repeats, default=5, help="random prunings compared with the pruning by importance")
     add("--save", default=None, metavar="PATH", help="also save the best pruned model there (default: not saved)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=128, repeats=5)
     args = parser.parse_args(argv)

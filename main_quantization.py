@@ -168,8 +168,8 @@ def parse_args(argv):
     add("--alpha", type=harness.float_in(0.0, 1.0), default=0.5, help="SmoothQuant's migration strength")
     add("--kv-bits", type=int, nargs="+", default=[4, 2], help=f"KIVI's bits per key and value, of {qz.KV_BITS}")
     add("--kv-block", type=harness.int_at_least(1), default=32, help="KIVI's block of tokens (the float32 residual)")
-    add("--calib-windows", type=harness.int_at_least(1), default=16, help="calibration windows of GPTQ, AWQ, SmoothQuant")
-    add("--val-batches", type=harness.int_at_least(1), default=10, help="validation batches of 32 windows per loss")
+    add("--calib-windows", type=harness.batches, default=16, help="calibration windows of GPTQ, AWQ, SmoothQuant")
+    add("--val-batches", type=harness.batches, default=10, help="validation batches of 32 windows per loss")
     add("--bench-size", type=harness.int_at_least(64), default=None,
         help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)

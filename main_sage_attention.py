@@ -307,10 +307,10 @@ def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
     at_least = harness.int_at_least
-    parser.add_argument("--val-batches", type=at_least(1), default=10,
+    parser.add_argument("--val-batches", type=harness.batches, default=10,
                         help="validation batches (of 32 x seqlen) for the loss")
     harness.add_generation_flags(parser, batch_size=8, prompt_len=32, n_tokens=96, repeats=5, least_tokens=1)
-    parser.add_argument("--offset", type=harness.float_in(0.0), default=5.0,
+    parser.add_argument("--offset", type=harness.float_in(0.0, 1000.0), default=5.0,
                         help="std of the per-channel offset added to K in the random inputs (K itself is N(0, 1))")
     parser.add_argument("--bench-len", type=at_least(1), default=2048,
                         help="tokens of the timed attention (batch 1, the model's heads, causal)")

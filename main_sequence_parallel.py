@@ -267,7 +267,7 @@ def parse_args(argv):
         help="prompt lengths of the attention benchmark (tokens)")
     add("--check-len", type=harness.int_at_least(1), default=1000,
         help="prompt length of the checks (rounded up to a multiple of 2P, at least 4P; and one token less)")
-    add("--repeats", type=harness.int_at_least(1), default=3, help="timed rounds, median taken (after a warm-up)")
+    add("--repeats", type=harness.repeats, default=3, help="timed rounds, median taken (after a warm-up)")
     args = distributed.parse_ranks(parser, argv, 2)
     world = args.world
     args.seq_lens = sorted(set(args.seq_lens))

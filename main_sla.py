@@ -236,13 +236,13 @@ def parse_args(argv):
     add("--masks", nargs="+", choices=["causal", "bidirectional"], default=["causal", "bidirectional"],
         help="attention masks to evaluate")
     add("--feature-map", choices=["softmax", "elu"], default="softmax", help="phi of the linear part")
-    add("--fit-steps", type=harness.int_at_least(1), default=50, help="Adam steps fitting SLA's projections")
-    add("--fit-lr", type=harness.positive_float, default=1e-2, help="learning rate of that fit")
-    add("--fit-sequences", type=harness.int_at_least(1), default=64,
+    add("--fit-steps", type=harness.steps, default=50, help="Adam steps fitting SLA's projections")
+    add("--fit-lr", type=harness.learning_rate, default=1e-2, help="learning rate of that fit")
+    add("--fit-sequences", type=harness.batches, default=64,
         help="training windows whose attention inputs the fit uses (16 a step)")
-    add("--error-sequences", type=harness.int_at_least(1), default=8,
+    add("--error-sequences", type=harness.batches, default=8,
         help="validation windows on which the output error is measured")
-    add("--val-batches", type=harness.int_at_least(1), default=10, help="validation batches (of 32 x seqlen), causal")
+    add("--val-batches", type=harness.batches, default=10, help="validation batches (of 32 x seqlen), causal")
     args = parser.parse_args(argv)
 
     def check_args(preset):

@@ -301,7 +301,7 @@ def parse_args(argv):
         help="validation characters streamed (more than the window seqlen: the point is to stream past it)")
     add("--segment", type=harness.int_at_least(1), default=250, help="characters per loss segment of the stream")
     add("--time-tokens", type=harness.int_at_least(2), default=256, help="stream tokens timed per variant for tok/s")
-    add("--start-steps", type=harness.int_at_least(1), default=START_STEPS,
+    add("--start-steps", type=harness.steps, default=START_STEPS,
         help="training steps of the start-token model (checkpoints/<preset>_rope_start.pt; the preset's other "
              "settings); a checkpoint of other steps is trained again")
     add("--mass-from", type=harness.int_at_least(0), default=16,

@@ -247,21 +247,21 @@ def parse_args(argv):
     add = parser.add_argument
     add("--gammas", type=harness.int_at_least(1), nargs="+", default=list(range(1, 9)),
         help="draft tokens per round, one measurement each (default 1 .. 8)")
-    add("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[1, 8], help="a row group each")
-    add("--temperature", type=harness.positive_float, default=0.8, help="the sampling rows' temperature")
+    add("--batch-sizes", type=harness.int_at_least(1, harness.MAX_SIZE), nargs="+", default=[1, 8], help="a row group each")
+    add("--temperature", type=harness.temperature, default=0.8, help="the sampling rows' temperature")
     add("--drafts", nargs="+", choices=DRAFTS, default=DRAFTS, help="the drafts measured (default: all)")
-    add("--ngram", type=harness.int_at_least(1), default=3, help="longest n-gram prompt lookup matches")
+    add("--ngram", type=harness.int_at_least(1, harness.MAX_SIZE), default=3, help="longest n-gram prompt lookup matches")
     add("--exit-layers", type=harness.int_at_least(1), default=None,
         help="layers of the early-exit draft (default: half the target's)")
-    add("--medusa-heads", type=harness.int_at_least(1), default=None,
+    add("--medusa-heads", type=harness.int_at_least(1, 64), default=None,
         help="Medusa heads (default: the largest gamma of --gammas and --stat-gamma)")
-    add("--draft-iters", type=harness.int_at_least(1), default=None,
+    add("--draft-iters", type=harness.steps, default=None,
         help=f"steps of each distilled draft (default {DEFAULTS['cpu']['draft_iters']} on cpu, else the student preset's)")
-    add("--head-iters", type=harness.int_at_least(1), default=None,
+    add("--head-iters", type=harness.steps, default=None,
         help=f"steps of the Medusa and EAGLE heads (default {DEFAULTS['cpu']['head_iters']} on cpu, else 1000)")
-    add("--mtp-steps", type=harness.int_at_least(1), default=None,
+    add("--mtp-steps", type=harness.steps, default=None,
         help=f"steps of training the target on with the MTP loss (default {DEFAULTS['cpu']['mtp_steps']} on cpu, else 500)")
-    add("--mtp-weight", type=harness.float_in(0, low_open=True), default=0.3, help="weight of the MTP loss")
+    add("--mtp-weight", type=harness.float_in(0.0, 100.0, low_open=True), default=0.3, help="weight of the MTP loss")
     add("--stat-samples", type=harness.int_at_least(100), default=4000, help="samples of the chi-square test")
     add("--stat-chars", type=harness.int_at_least(2), default=3,
         help="characters after the prompt it counts (the first is the prefill's, the others drafted)")

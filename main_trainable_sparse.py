@@ -322,18 +322,18 @@ def parse_args(argv):
         help="NSA: selected blocks per query, its own and the first included")
     add("--nsa-window", type=harness.int_at_least(1), default=8, help="NSA: sliding-window tokens, the query included")
     add("--dsa-top-k", type=harness.int_at_least(1), default=48, help="DSA: tokens per query")
-    add("--dsa-index-heads", type=harness.int_at_least(1), default=4, help="DSA: indexer heads")
-    add("--dsa-d-index", type=harness.int_at_least(1), default=16, help="DSA: indexer dimensions")
-    add("--dsa-warmup-steps", type=harness.int_at_least(1), default=40, help="DSA: dense indexer warm-up steps")
-    add("--dsa-warmup-lr", type=harness.positive_float, default=1e-3, help="DSA: warm-up learning rate")
-    add("--uptrain-steps", type=harness.int_at_least(1), default=40, help="uptraining steps of every row")
-    add("--lr", type=harness.positive_float, default=None,
+    add("--dsa-index-heads", type=harness.int_at_least(1, 1024), default=4, help="DSA: indexer heads")
+    add("--dsa-d-index", type=harness.int_at_least(1, harness.MAX_SIZE), default=16, help="DSA: indexer dimensions")
+    add("--dsa-warmup-steps", type=harness.steps, default=40, help="DSA: dense indexer warm-up steps")
+    add("--dsa-warmup-lr", type=harness.learning_rate, default=1e-3, help="DSA: warm-up learning rate")
+    add("--uptrain-steps", type=harness.steps, default=40, help="uptraining steps of every row")
+    add("--lr", type=harness.learning_rate, default=None,
         help="peak learning rate of uptraining (default: preset's / 3)")
-    add("--val-batches", type=harness.int_at_least(1), default=10,
+    add("--val-batches", type=harness.batches, default=10,
         help="validation batches (of 32 x seqlen) for the loss")
     add("--bench-contexts", type=harness.int_at_least(2), nargs="+", default=[4096, 8192, 16384, 32768],
         help="cache lengths of the decode microbenchmark")
-    add("--bench-repeats", type=harness.int_at_least(1), default=15, help="timed rounds per context (median)")
+    add("--bench-repeats", type=harness.repeats, default=15, help="timed rounds per context (median)")
     args = parser.parse_args(argv)
 
     def check_args(preset):

@@ -548,6 +548,12 @@ def parse_args(argv):
     out = Path(args.out) if args.out else ROOT / "results" / "quick" if args.quick else None
     if out is not None and out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: give a folder (made if missing) for the results and the rendered pages")
+    if out is not None:  # the folder, or the nearest one above it that exists (where it will be made), writable
+        existing = next(p for p in [out.absolute(), *out.absolute().parents] if p.exists())
+        error = files.unwritable(existing) if existing.is_dir() else None
+        if not existing.is_dir() or error:
+            reason = f"cannot be written ({error})" if error else "is not a folder"
+            parser.error(f"--out {out}: {existing} {reason}; give a folder you can write")
     results, pages = (out, out / "pages") if out else (ROOT / "results", ROOT)
     results = results if device == "cpu" else results / device  # each device's results apart
     return args, runs, device, results, pages, out
@@ -566,7 +572,6 @@ def set_aside_checkpoints():
 
 def main(argv=None):
     args, runs, device, results_dir, pages, out = parse_args(argv)
-    files.sweep_stale_temps([ROOT / d for d in files.OUTPUT_DIRS] + [results_dir, results_dir / "partial"])
     busy_ok = args.busy_ok or out is not None  # only the repository's own pages are guarded
     load, limit = load_average(), BUSY_LOAD * (os.cpu_count() or 1)
     if not busy_ok and not args.skip_run and load > limit:

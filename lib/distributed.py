@@ -283,9 +283,9 @@ def add_rank_flags(parser, ranks, script):
     parser.add_argument("--ranks", type=harness.int_at_least(1), default=ranks,
                         help="processes on this machine: with N > 1 the script starts itself under torchrun "
                              f"(= torchrun --nproc-per-node N {script}); under torchrun: its world size")
-    parser.add_argument("--threads", type=harness.int_at_least(1), default=1,
+    parser.add_argument("--threads", type=harness.thread_count, default=1,
                         help="torch threads per rank (and of the one-process baseline)")
-    parser.add_argument("--timeout", type=harness.int_at_least(1), default=DEFAULT_TIMEOUT_S,
+    parser.add_argument("--timeout", type=harness.int_at_least(1, 3600), default=DEFAULT_TIMEOUT_S,
                         help="seconds a rank waits for a peer in a collective before it stops with an error")
 
 

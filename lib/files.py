@@ -1,10 +1,13 @@
-"""Files that are never half written: atomic writes (temp file, then rename), stale temp files of dead
-processes, and checkpoints (config, vocabulary, state dict and their sha256) verified when loaded."""
+"""Files that are never half written: atomic writes (temp file, then rename), the stale temp files of
+killed writes, the output paths a script may write, and checkpoints (config, vocabulary, state dict and their sha256) verified when loaded."""
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import pickle
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +18,6 @@ from lib.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_DIR = ROOT / "checkpoints"
-OUTPUT_DIRS = ("checkpoints", "results", "docs", "data", ".")  # where the repository writes, under ROOT
 
 
 def checkpoint_path(name):
@@ -38,27 +40,27 @@ def pid_alive(pid):
     return True
 
 
+TEMP_SUFFIX = ".partial"  # a temp file is `.<target's name>.<pid>.partial`: a name no user picks
+
+
+def temp_path(path, pid=None):
+    """The temp file beside `path` that this process (or `pid`) writes before the rename."""
+    return path.with_name(f".{path.name}.{os.getpid() if pid is None else pid}{TEMP_SUFFIX}")
+
+
 def remove_stale_temps(path):
-    """Remove the `<name>.tmp<pid>` files beside `path` of processes that are gone (killed mid-write).
-    A live process's temp file is kept: it may be writing the same path right now, and its rename must
-    not fail. (Only on POSIX: on Windows os.kill(pid, 0) would send Ctrl+C, not check.)"""
-    if os.name != "posix":
+    """Remove the temp files beside `path` (`.<name>.<pid>.partial`) of processes that are gone (killed
+    mid-write). Only that exact pattern for this target is touched: nothing a user named. A live process's
+    temp file is kept: it may be writing the same path right now, and its rename must not fail. (Only on
+    POSIX: on Windows os.kill(pid, 0) would send Ctrl+C, not check.)"""
+    if os.name != "posix" or not path.parent.is_dir():
         return
-    for tmp in path.parent.iterdir():
-        pid = tmp.name.removeprefix(f"{path.name}.tmp")
-        if tmp.name != pid and pid.isdigit() and not pid_alive(int(pid)):
+    prefix = f".{path.name}."
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*{TEMP_SUFFIX}"):
+        pid = tmp.name[len(prefix):-len(TEMP_SUFFIX)]
+        if pid.isdigit() and not pid_alive(int(pid)):
             with contextlib.suppress(OSError):  # a file we cannot remove must not stop the save
                 tmp.unlink()
-
-
-def sweep_stale_temps(folders):
-    """Remove every stale temp file (`<name>.tmp<pid>` of a process that is gone) in `folders`: what a
-    killed save left behind, removed at the start of any run rather than at the next write of that path."""
-    for folder in folders:
-        folder = Path(folder)
-        if folder.is_dir():
-            for tmp in {p.with_name(p.name.split(".tmp")[0]) for p in folder.glob("*.tmp[0-9]*")}:
-                remove_stale_temps(tmp)
 
 
 @contextlib.contextmanager
@@ -69,7 +71,7 @@ def atomic_file(path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = temp_path(path)
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -87,6 +89,63 @@ def atomic_write_bytes(raw, path):
 def atomic_torch_save(obj, path):
     with atomic_file(path) as tmp:
         torch.save(obj, tmp)
+
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".bin")
+
+
+def tracked_files():
+    """The repository's files under version control (README.md, docs/, the code), resolved: empty outside
+    a git checkout or without git."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {(ROOT / name).resolve() for name in out.decode(errors="replace").split("\0") if name}
+
+
+def output_problems(outputs, checkpoint_flags=()):
+    """What is wrong with the paths a run would write, {flag: path}, found before any work: a path that is
+    a folder, in a folder that is missing or cannot be written, a checkpoint (under checkpoints/, or with a
+    checkpoint's suffix, unless its flag is in `checkpoint_flags`: --save writes one, never in checkpoints/),
+    a file of the repository itself, or the path of another flag. Returns one message per problem."""
+    problems, seen, tracked = [], {}, None
+    for flag, out in outputs.items():
+        path = Path(out).resolve()
+        where = f"{flag} {out}"
+        if path.is_dir() or not path.parent.is_dir():
+            problems.append(f"{where}: give a file path in a folder that exists")
+            continue
+        if path in seen:
+            problems.append(f"{where}: {seen[path]} writes the same file; give each output its own path")
+            continue
+        seen[path] = flag
+        in_checkpoints = path.is_relative_to(CHECKPOINT_DIR.resolve())
+        if in_checkpoints and flag in checkpoint_flags:
+            problems.append(f"{where}: checkpoints/ holds the files the scripts train and load themselves; "
+                            "save the model outside it (e.g. saved/model.pt)")
+        elif flag not in checkpoint_flags and (in_checkpoints or path.suffix.lower() in CHECKPOINT_SUFFIXES):
+            problems.append(f"{where}: that is a checkpoint's path, which results must not replace; "
+                            "give another path")
+        else:
+            tracked = tracked_files() if tracked is None else tracked
+            if path in tracked:
+                problems.append(f"{where}: that is a file of the repository ({path.relative_to(ROOT.resolve())}); "
+                                "give a path outside it, e.g. results/out.json")
+            elif (error := unwritable(path.parent)) is not None:
+                problems.append(f"{where}: the folder {path.parent} cannot be written ({error}); give another path")
+    return problems
+
+
+def unwritable(folder):
+    """None when a file can be created in `folder` (a probe file, made and removed), else the reason."""
+    probe = Path(folder) / f".gptlite-probe.{os.getpid()}{TEMP_SUFFIX}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
 
 
 def checkpoint_sha256(config, vocab, state_dict):
@@ -124,8 +183,13 @@ def load_checkpoint(path, config=None, vocab=None, rebuild=None):
         ok = (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict)
               and isinstance(ckpt.get("vocab"), str) and isinstance(ckpt.get("state_dict"), dict)
               and all(isinstance(t, torch.Tensor) for t in ckpt["state_dict"].values()))
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never for a file of unknown origin
+        raise CheckpointError(f"{path} is not a readable checkpoint: it is not a file of tensors and plain data that "
+                              f"torch.save wrote (damaged, or it holds other objects, which are never loaded); "
+                              f"{retrain}") from None
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); {retrain}") from None
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {reason}); {retrain}") from None
     if not ok:
         raise CheckpointError(f"{path} is not a checkpoint of this repository (config, vocab and state_dict "
                               f"expected); {retrain}")

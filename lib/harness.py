@@ -12,7 +12,7 @@ import torch
 
 from lib.corpus import load_data
 from lib.errors import GPTliteError
-from lib.files import OUTPUT_DIRS, ROOT, atomic_file, atomic_write_bytes, sweep_stale_temps
+from lib.files import atomic_file, atomic_write_bytes, output_problems
 from lib.presets import PRESETS, get_preset
 
 
@@ -32,18 +32,36 @@ def get_device(name=None):
     return device
 
 
-def int_at_least(low):
-    """An argparse type: an integer of at least `low` (the error names the flag and the bound)."""
+def int_at_least(low, high=None):
+    """An argparse type: an integer of at least `low` and at most `high` (the error names the flag and the
+    bounds). Every count has a `high`: a value past it is refused before any work, not run for hours."""
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if value < low or high is not None and value > high:
+            bounds = f"at least {low}" if high is None else f"from {low} to {high:,}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
         return value
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = f"integer >= {low}" if high is None else f"integer in [{low}, {high}]"
     return parse
+
+
+def cores():
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+MAX_STEPS = 100_000  # training steps of one model: 20x the gptlite preset's 5,000
+MAX_REPEATS = 1_000  # timed runs of one figure
+MAX_BATCHES = 10_000  # validation or calibration batches (of 32 windows): 90x the validation split
+MAX_SIZE = 1 << 16  # a length, width or count of heads that is not bounded by the preset where it is checked
+steps = int_at_least(1, MAX_STEPS)
+repeats = int_at_least(1, MAX_REPEATS)
+batches = int_at_least(1, MAX_BATCHES)
+seed_type = int_at_least(0, 2**32 - 1)
+thread_count = int_at_least(1, cores())  # more threads than cores time waits (and a huge count crashes torch)
 
 
 def float_in(low=-math.inf, high=math.inf, low_open=False, high_open=False):
@@ -65,14 +83,17 @@ def float_in(low=-math.inf, high=math.inf, low_open=False, high_open=False):
     return parse
 
 
-positive_float = float_in(0.0, low_open=True)  # learning rates, temperatures
+positive_float = float_in(0.0, low_open=True)
+learning_rate = float_in(0.0, 1.0, low_open=True)
+temperature = float_in(0.0, 100.0, low_open=True)
+weight = float_in(0.0, 100.0)  # a loss's weight
 
 
 def add_model_args(parser):
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="model preset (default: gptlite on CUDA, cpu elsewhere)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--seed", type=int_at_least(0), default=0, help="random seed of training, prompts and weights")
+    parser.add_argument("--seed", type=seed_type, default=0, help="random seed of training, prompts and weights")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="tiny Shakespeare file (default: $GPTLITE_DATA, else data/tinyshakespeare.txt)")
 
@@ -86,7 +107,8 @@ def add_generation_flags(parser, batch_size=None, prompt_len=None, n_tokens=None
              ("--repeats", repeats, 1, "timed runs per figure, median taken (after a warm-up)")]
     for flag, default, low, text in flags:
         if default is not None:
-            parser.add_argument(flag, type=int_at_least(low), default=default, help=text)
+            high = MAX_REPEATS if flag == "--repeats" else None  # the others: bounded by the preset or memory
+            parser.add_argument(flag, type=int_at_least(low, high), default=default, help=text)
 
 
 def add_sweep_flags(parser, batch_help, sweep_help):
@@ -119,17 +141,20 @@ def add_common_args(parser):
     parser.add_argument("--plot", default=None, metavar="PATH", help="also save the script's plot as PNG to PATH")
 
 
+OUTPUT_FLAGS = ("json", "plot", "save")  # the files a script writes when asked: checked in setup
+
+
 def setup(args, parser, check_args=None):
     """Check the common flags (and the output paths and prompt length of the scripts that have them),
     choose device and preset (and say which), run the script's own `check_args(preset)`, then load the
     data: every flag error comes before any work."""
-    for flag in ("json", "plot", "save"):
-        out = getattr(args, flag, None)
-        if out is not None:
-            if Path(out).is_dir() or not Path(out).resolve().parent.is_dir():
-                parser.error(f"--{flag} {out}: give a file path in a folder that exists")
-            if flag == "plot" and Path(out).suffix.lower() != ".png":
-                parser.error(f"--plot {out}: the plot is a PNG, give a path ending in .png")
+    outputs = {f"--{flag.replace('_', '-')}": getattr(args, flag) for flag in OUTPUT_FLAGS
+               if getattr(args, flag, None) is not None}
+    problems = output_problems(outputs, checkpoint_flags=("--save",))
+    if problems:
+        parser.error("; ".join(problems))
+    if getattr(args, "plot", None) is not None and Path(args.plot).suffix.lower() != ".png":
+        parser.error(f"--plot {args.plot}: the plot is a PNG, give a path ending in .png")
     try:
         device = get_device(args.device)
     except GPTliteError as e:
@@ -141,10 +166,17 @@ def setup(args, parser, check_args=None):
         check_args(preset)
     print(f"preset: {preset.name} ({'from --preset' if args.preset else 'default for ' + device.type}), "
           f"device: {device}, torch {torch.__version__}")
-    outputs = [Path(out).resolve().parent for out in (getattr(args, f, None) for f in ("json", "plot", "save")) if out]
-    sweep_stale_temps([ROOT / d for d in OUTPUT_DIRS] + outputs)
     torch.manual_seed(args.seed)
     return preset, device, load_data(args.data)
+
+
+def check_applies(parser, args, flags, needs, applies):
+    """A flag that does not apply is an error, not ignored: when `applies` is false, each of `flags` given
+    a value other than its default is refused, naming `needs`, what would make it apply."""
+    given = [f for f in flags if getattr(args, f[2:].replace("-", "_")) != parser.get_default(f[2:].replace("-", "_"))]
+    if not applies and given:
+        parser.error(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only with {needs}: add it, "
+                     f"or drop {' and '.join(given)}")
 
 
 def check_fits(parser, flag, nbytes, what):
@@ -193,18 +225,31 @@ def table(title, rows, columns=None):
     return dict(title=title, columns=[list(c) for c in (columns or table_columns(rows))], rows=rows)
 
 
-def training_cli(description, train, sample, sample_tokens, argv=None):
-    """The command line of a model file (python gptlite.py --preset cpu): train its checkpoint with the
-    preset's recipe, `train(preset, data, device, iters=, seed=)`, then print a greedy sample of it,
-    `sample(model, prompt, n_tokens)` -> [1, 1 + n_tokens] token ids."""
+def training_args(description, sample_tokens, argv=None):
+    """The flags of a model file's command line, checked before any work: (args, preset, device, data)."""
     parser = argparse.ArgumentParser(description=description)
     add_model_args(parser)
-    parser.add_argument("--iters", type=int_at_least(1), default=None, help="training steps (default: the preset's)")
-    parser.add_argument("--sample-tokens", type=int_at_least(1), default=sample_tokens,
+    parser.add_argument("--iters", type=steps, default=None, help="training steps (default: the preset's)")
+    parser.add_argument("--sample-tokens", type=int_at_least(1, 10_000), default=sample_tokens,
                         help="length of the printed sample")
+    parser.add_argument("--out", default=None, metavar="PATH",
+                        help="write the checkpoint there instead of checkpoints/ (the file every script loads)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a trained checkpoint of another recipe (without it: refused)")
     args = parser.parse_args(argv)
-    preset, device, data = setup(args, parser)
-    model = train(preset, data, device, iters=args.iters, seed=args.seed)  # a diverged run saves nothing
+    problems = output_problems({"--out": args.out}, checkpoint_flags=("--out",)) if args.out else []
+    if problems:
+        parser.error("; ".join(problems))
+    return (args, *setup(args, parser))
+
+
+def training_cli(description, train, sample, sample_tokens, argv=None):
+    """The command line of a model file (python gptlite.py --preset cpu): train its checkpoint with the
+    preset's recipe, `train(preset, data, device, iters=, seed=, path=, overwrite=)`, then print a greedy
+    sample of it, `sample(model, prompt, n_tokens)` -> [1, 1 + n_tokens] token ids."""
+    args, preset, device, data = training_args(description, sample_tokens, argv)
+    model = train(preset, data, device, iters=args.iters, seed=args.seed, path=args.out,
+                  overwrite=args.overwrite)  # a diverged run saves nothing
     prompt = torch.tensor([data.encode("\n")], device=device)
     print(data.decode(sample(model.eval(), prompt, args.sample_tokens)[0, 1:].tolist()))  # without the newline
 

@@ -13,6 +13,7 @@ times. Each new token is stamped with the clock at the end of the step that prod
 TTFT = first token - arrival, TPOT = (last token - first token) / (n_tokens - 1). Throughput counts
 the generated tokens over the busy time (the sum of the step times; waiting is not work).
 """
+import math
 from contextlib import contextmanager
 
 import numpy as np
@@ -211,16 +212,28 @@ def same_outputs(outputs, reference):
     return "yes" if wrong == 0 and len(outputs) == len(reference) else f"NO ({wrong} differ)"
 
 
+def arrival_rate(text):
+    """An argparse type: a Poisson arrival rate in requests per second, above 0 and at most 1e6, or inf."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    return RATE(text)
+
+
+RATE = harness.float_in(0.0, 1e6, low_open=True)
+
+
 def add_trace_args(parser, n_requests=64, rate=None):
     """The trace's flags; rate=None: an offline trace, every request at time 0 (no --rate flag)."""
-    parser.add_argument("--n-requests", type=harness.int_at_least(1), default=n_requests, help="requests in the trace")
+    parser.add_argument("--n-requests", type=harness.int_at_least(1, 1_000_000), default=n_requests,
+                        help="requests in the trace")
     if rate is not None:
-        parser.add_argument("--rate", type=float, default=rate,
+        parser.add_argument("--rate", type=arrival_rate, default=rate,
                             help="Poisson arrival rate, requests per second (inf: every request at time 0)")
-    parser.add_argument("--prompt-median", type=harness.int_at_least(1), default=32, help="median prompt length (log-normal)")
-    parser.add_argument("--output-median", type=harness.int_at_least(1), default=16,
+    parser.add_argument("--prompt-median", type=harness.int_at_least(1, harness.MAX_SIZE), default=32,
+                        help="median prompt length (log-normal)")
+    parser.add_argument("--output-median", type=harness.int_at_least(1, harness.MAX_SIZE), default=16,
                         help="median output length (log-normal, long tail)")
-    parser.add_argument("--repeats", type=harness.int_at_least(1), default=3,
+    parser.add_argument("--repeats", type=harness.repeats, default=3,
                         help="runs of the trace per variant, round-robin, after a warm-up; each figure is the median")
 
 
@@ -235,11 +248,11 @@ def check_trace_args(parser, seqlen, prompt_median, output_median, rate=None):
 
 def add_sharing_args(parser):
     """The flags of the prefix-sharing traces (make_shared_prefix_trace, make_multi_turn_trace)."""
-    parser.add_argument("--system-len", type=harness.int_at_least(1), default=64,
+    parser.add_argument("--system-len", type=harness.int_at_least(1, harness.MAX_SIZE), default=64,
                         help="--prefix-sharing: system prompt tokens")
     parser.add_argument("--turns", type=harness.int_at_least(2), default=4,
                         help="--prefix-sharing: turns per conversation (conversations: --n-requests / --turns)")
-    parser.add_argument("--think-time", type=harness.positive_float, default=2.0,
+    parser.add_argument("--think-time", type=harness.float_in(0.0, 3600.0, low_open=True), default=2.0,
                         help="--prefix-sharing: seconds between a conversation's turns")
 
 

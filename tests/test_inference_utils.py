@@ -348,9 +348,10 @@ def test_the_temp_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
     path = tmp_path / "ckpt.pt"
     killed = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(path)], cwd=files.ROOT)
     assert killed.wait() == -signal.SIGKILL
-    assert [p.name for p in tmp_path.iterdir()] == [f"ckpt.pt.tmp{killed.pid}"]  # left behind
-    alive = tmp_path / f"ckpt.pt.tmp{os.getppid()}"  # a live process may be writing the same path: kept
-    others = [tmp_path / f"other.pt.tmp{killed.pid}", tmp_path / "ckpt.pt.tmpx"]  # not stale temps of ckpt.pt
+    assert [p.name for p in tmp_path.iterdir()] == [f".ckpt.pt.{killed.pid}.partial"]  # left behind
+    alive = tmp_path / f".ckpt.pt.{os.getppid()}.partial"  # a live process may be writing the same path: kept
+    others = [tmp_path / f".other.pt.{killed.pid}.partial", tmp_path / ".ckpt.pt.x.partial",  # not ckpt.pt's
+              tmp_path / f"ckpt.pt.tmp{killed.pid}", tmp_path / f".ckpt.pt.{killed.pid}"]  # names a user may pick
     for p in [alive, *others]:
         p.write_bytes(b"x")
     files.atomic_write_bytes(b"whole", path)
@@ -410,7 +411,7 @@ def test_a_diverged_training_leaves_the_existing_checkpoint_untouched(tmp_path):
     iu.train_checkpoint(tiny_preset_for(data), data, "cpu", path=path)
     saved = path.read_bytes()
     with pytest.raises(TrainingDiverged):
-        iu.train_checkpoint(tiny_preset_for(data, lr=1e30, iters=20), data, "cpu", path=path)
+        iu.train_checkpoint(tiny_preset_for(data, lr=1e30, iters=20), data, "cpu", path=path, overwrite=True)
     assert path.read_bytes() == saved and [p.name for p in tmp_path.iterdir()] == ["tiny.pt"]
 
 
@@ -585,21 +586,25 @@ def test_a_damaged_derived_checkpoint_names_a_command_that_really_rebuilds_it(tm
     assert calls == [1, 1] and files.load_checkpoint(path)["meta"]["stamp"] is None
 
 
-def test_any_start_up_removes_the_temp_files_of_killed_saves(tmp_path, monkeypatch, real_data):
-    """A killed save leaves <name>.tmp<pid>: the next start of any script removes it, not only the next write
-    of the same path. A live process's temp file stays (it may be writing)."""
-    monkeypatch.setattr(harness, "ROOT", tmp_path)
+def test_start_up_removes_no_file_only_a_write_removes_its_own_stale_temp(tmp_path, monkeypatch, real_data):
+    """Only the repository's own temp files (`.<target>.<pid>.partial` of a dead pid), and only beside a
+    target being written, are ever removed: a script's start (setup) sweeps nothing, neither in the folder of
+    --json nor in the repository's folders, so a user's `thesis.tmp<pid>` survives the run, whatever its end."""
+    monkeypatch.setattr(files, "ROOT", tmp_path)
     (tmp_path / "checkpoints").mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = [tmp_path / "checkpoints" / f"cpu_rope.pt.tmp{dead.pid}", tmp_path / f"out.json.tmp{dead.pid}"]
-    alive = tmp_path / "checkpoints" / f"cpu.pt.tmp{os.getpid()}"
-    for p in stale + [alive]:
-        p.write_bytes(b"half")
+    users = [tmp_path / f"thesis.tmp{dead.pid}", tmp_path / f"out.json.tmp{dead.pid}", tmp_path / "notes.tmp999999",
+             tmp_path / "checkpoints" / f"cpu.pt.tmp{dead.pid}"]
+    ours = tmp_path / f".out.json.{dead.pid}.partial"  # a killed write of out.json: removed when out.json is written
+    for p in users + [ours]:
+        p.write_bytes(b"draft")
     parser = harness.script_parser("a script")
-    args = parser.parse_args(["--device", "cpu", "--data", os.environ["GPTLITE_DATA"]])
+    args = parser.parse_args(["--device", "cpu", "--json", str(tmp_path / "out.json"), "--data", os.environ["GPTLITE_DATA"]])
     harness.setup(args, parser)
-    assert not any(p.exists() for p in stale) and alive.exists()
+    assert all(p.exists() for p in users + [ours])
+    files.atomic_write_bytes(b"{}", tmp_path / "out.json")
+    assert not ours.exists() and all(p.exists() for p in users)
 
 
 def test_report_marks_the_untrained_losses_of_every_table_that_has_them(capsys):
