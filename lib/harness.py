@@ -41,8 +41,8 @@ def int_at_least(low, high=None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low or high is not None and value > high:
-            bounds = f"at least {low}" if high is None else f"from {low} to {high:,}"
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
+            bounds = f"at least {low}" + ("" if high is None else f" and at most {high:,}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
         return value
     parse.__name__ = f"integer >= {low}" if high is None else f"integer in [{low}, {high}]"
     return parse
