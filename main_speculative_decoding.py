@@ -270,6 +270,14 @@ def parse_args(argv):
         help="the chi-square test's significance level")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=40, repeats=3)
     args = parser.parse_args(argv)
+    drafts = set(args.drafts)
+    for flags, needs, names in [(["--draft-iters"], "--drafts distilled or 'distilled small'", {"distilled", "distilled small"}),
+                                (["--ngram"], "--drafts lookup", {"lookup"}),
+                                (["--exit-layers"], "--drafts 'early exit'", {"early exit"}),
+                                (["--medusa-heads"], "--drafts medusa", {"medusa"}),
+                                (["--head-iters"], "--drafts medusa or eagle", {"medusa", "eagle"}),
+                                (["--mtp-steps", "--mtp-weight"], "--drafts mtp", {"mtp"})]:
+        harness.check_applies(parser, args, flags, needs, bool(drafts & names))
 
     def check_args(preset):
         if len(set(args.gammas)) != len(args.gammas) or args.gammas != sorted(args.gammas):

@@ -224,7 +224,7 @@ RATE = harness.float_in(0.0, 1e6, low_open=True)
 
 def add_trace_args(parser, n_requests=64, rate=None):
     """The trace's flags; rate=None: an offline trace, every request at time 0 (no --rate flag)."""
-    parser.add_argument("--n-requests", type=harness.int_at_least(1, 1_000_000), default=n_requests,
+    parser.add_argument("--n-requests", type=harness.int_at_least(1, 10**8), default=n_requests,
                         help="requests in the trace")
     if rate is not None:
         parser.add_argument("--rate", type=arrival_rate, default=rate,

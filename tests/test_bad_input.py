@@ -220,7 +220,13 @@ def test_a_checkpoint_of_random_bytes_or_foreign_objects_is_refused_without_torc
     ("main_continuous_batching.py", ["--system-len", "32"], "--prefix-sharing"),
     ("main_continuous_batching.py", ["--think-time", "1"], "--prefix-sharing"),
     ("main_moe.py", ["--router", "softmax", "--bias-rate", "0.5"], "--router sigmoid"),
-    ("main_moe.py", ["--router", "sigmoid", "--aux-weight", "0.5"], "--router softmax")])
+    ("main_moe.py", ["--router", "sigmoid", "--aux-weight", "0.5"], "--router softmax"),
+    ("main_speculative_decoding.py", ["--drafts", "lookup", "--mtp-weight", "0.5"], "--drafts mtp"),
+    ("main_speculative_decoding.py", ["--drafts", "mtp", "--ngram", "2"], "--drafts lookup"),
+    ("main_speculative_decoding.py", ["--drafts", "lookup", "--exit-layers", "1"], "--drafts 'early exit'"),
+    ("main_speculative_decoding.py", ["--drafts", "eagle", "--medusa-heads", "4"], "--drafts medusa"),
+    ("main_speculative_decoding.py", ["--drafts", "lookup", "--head-iters", "4"], "--drafts medusa or eagle"),
+    ("main_speculative_decoding.py", ["--drafts", "mtp", "--draft-iters", "4"], "--drafts distilled")])
 def test_a_flag_that_does_not_apply_is_refused_naming_the_flag_it_needs(stubbed_data, script, argv, needs):
     assert needs in refusal(checker(script), argv)
 
@@ -228,6 +234,7 @@ def test_a_flag_that_does_not_apply_is_refused_naming_the_flag_it_needs(stubbed_
 def test_a_flag_that_applies_is_accepted(stubbed_data):
     assert outcome(checker("main_continuous_batching.py"), ["--prefix-sharing", "--turns", "3"])[0] == "ok"
     assert outcome(checker("main_moe.py"), ["--router", "sigmoid", "--bias-rate", "0.5"])[0] == "ok"
+    assert outcome(checker("main_speculative_decoding.py"), ["--drafts", "medusa", "--head-iters", "4"])[0] == "ok"
 
 
 def test_the_offloading_headline_names_one_batch_once_and_says_why_a_tpot_is_unmeasured():
