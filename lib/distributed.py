@@ -15,8 +15,11 @@ The API, small on purpose (everything else is plain torch.distributed):
     init(device, timeout_s,                  join the process group (a group of one without
          startup_timeout_s) -> Dist          torchrun); Dist(rank, world_size, local_rank, device,
                                              backend); every rank waits up to startup_timeout_s for
-                                             the others to join, then a collective that waits longer
-                                             than timeout_s for a peer raises instead of hanging
+                                             the others to join (rendezvous: one line that says what
+                                             it waited for), then a collective that waits longer
+                                             than timeout_s for a peer raises instead of hanging;
+                                             what env:// lacks is refused first (environment_problem)
+    watch_launcher()                         a rank ends itself when its launcher is gone (SIGKILL too)
     shutdown()                               leave the process group (safe to call twice)
     collective_errors(timeout_s,             a context manager: a failed collective (a peer died or
                       memory_hint)           timed out) becomes one clear GPTliteError; this rank's own
@@ -27,8 +30,9 @@ The API, small on purpose (everything else is plain torch.distributed):
                                              ended, with every worker, and raises GPTliteError
     relaunch(script, argv, nproc)            a script's own start under torchrun once its flags are
                                              checked (launch without a limit; a failed rank raises)
-    rank_group(device, timeout_s,            a context manager: join the group, yield the Dist, only
-               memory_hint) -> Dist          rank 0 prints, collective_errors around the block, leave
+    rank_group(device, timeout_s,            a context manager: join the group (timeout_s bounds the
+               memory_hint) -> Dist          start too), yield the Dist, only rank 0 prints,
+                                             collective_errors around the block, leave
     add_rank_flags(parser, ranks, script)    a multi-process script's --ranks, --threads and --timeout;
     parse_ranks(parser, argv, ranks)         its args with args.world (torchrun's world, else --ranks),
                                              and check_ranks(parser, args, device) its cores and GPUs;
@@ -37,16 +41,19 @@ The API, small on purpose (everything else is plain torch.distributed):
     run_child(cmd, env, cwd, capture, ...)   run a command to its end in a session of its own; a
                                              SIGTERM, SIGINT or SIGHUP to this process, an exception
                                              or a timeout ends the command with every process it
-                                             started (no orphans), then the signal takes its course
+                                             started (no orphans), then the signal takes its course;
+                                             the child gets SIGKILL if this process dies (Linux)
 
 Across machines, torchrun's rendezvous flags do the rest: see docs/distributed.md.
 """
 import contextlib
+import ctypes
 import datetime
 import functools
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -115,9 +122,15 @@ def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S, startup_timeout_s=STARTUP_TI
     """Join the process group with the backend of `device`: under torchrun its world, else a group of
     one process (a HashStore: no port to open). On CUDA each process takes cuda:LOCAL_RANK.
     Two timeouts: every rank waits up to startup_timeout_s (at least timeout_s) for the last one to
-    arrive (startup_barrier), as the ranks start seconds apart on a busy machine; from then on joining,
+    arrive (rendezvous), as the ranks start seconds apart on a busy machine; from then on joining,
     a collective or a point-to-point call waits timeout_s for a peer before it raises.
-    Every check comes before the group is joined. Returns a Dist."""
+    Every check comes before the group is joined; under a launcher, a watch thread ends this process
+    once its launcher is gone (watch_launcher). Returns a Dist."""
+    problem = environment_problem()
+    if problem:
+        raise GPTliteError(problem)
+    if launched():
+        watch_launcher()
     device = torch.device(device)
     backend = backend_for(device)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -131,9 +144,7 @@ def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S, startup_timeout_s=STARTUP_TI
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if launched():  # env://: torchrun's MASTER_ADDR and MASTER_PORT, its store
-            startup = datetime.timedelta(seconds=max(timeout_s, startup_timeout_s))
-            store, my_rank, world = next(dist.rendezvous("env://", timeout=startup))
-            startup_barrier(store, world, startup)
+            store, my_rank, world = rendezvous(max(timeout_s, startup_timeout_s))
             store.set_timeout(timeout)
             # what init_process_group does with env:// itself, every rank now at hand
             dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=my_rank,
@@ -141,6 +152,72 @@ def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S, startup_timeout_s=STARTUP_TI
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def environment_problem():
+    """Under a launcher (RANK and WORLD_SIZE set), what env:// also needs and does not find, as one line
+    that says what to set (None when nothing is missing). torchrun sets all of it; a rank started by hand
+    needs it too."""
+    if not launched():
+        return None
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        return (f"RANK and WORLD_SIZE are set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+                "a rank started by hand needs MASTER_ADDR (the address of rank 0's machine) and MASTER_PORT (a free "
+                "port there) as well, the same for every rank; or start the ranks with torchrun, which sets them all")
+    try:
+        rank_, world, port = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+    except ValueError:
+        values = ", ".join(f"{name}={os.environ[name]!r}" for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+        return f"{values}: RANK, WORLD_SIZE and MASTER_PORT must be whole numbers"
+    if not 0 <= rank_ < world:
+        return f"RANK={rank_} with WORLD_SIZE={world}: RANK must be one of 0 .. WORLD_SIZE-1"
+    if not 1 <= port <= 65535:
+        return f"MASTER_PORT={port}: a port is a number from 1 to 65535"
+    return None
+
+
+def rendezvous(timeout_s):
+    """Meet the other ranks at MASTER_ADDR:MASTER_PORT (env://: rank 0 serves the key-value store), then
+    wait until every rank has arrived (startup_barrier); all of it within timeout_s, or one GPTliteError
+    that says what was awaited. A rank started by hand (not by torchrun) says first what it waits for.
+    Returns torch's (store, rank, world size)."""
+    me, world = rank(), world_size()
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun starts every rank at once; by hand, they may be apart
+        print(f"rank {me} of {world}: waiting up to {timeout_s} s for the {world} ranks to join at {where} "
+              "(MASTER_ADDR:MASTER_PORT)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        if me != 0 and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
+            wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), deadline)
+        timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        store, my_rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        startup_barrier(store, world, timeout)
+    except (RuntimeError, ValueError, OSError) as e:  # DistError is a RuntimeError: a timeout, a refused connection
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        if "address already in use" in first.lower():
+            raise GPTliteError(f"rank 0 of {world}: another process already listens on {where}, where rank 0 serves "
+                               "the ranks' key-value store; give every rank another MASTER_PORT") from None
+        awaited = (f"the other {world - 1} rank(s) did not all join it" if me == 0 else
+                   "rank 0 (which serves it) did not answer, or the other ranks did not all join")
+        raise GPTliteError(f"rank {me} of {world}: waited {timeout_s} s at {where} (MASTER_ADDR:MASTER_PORT) and "
+                           f"{awaited} ({type(e).__name__}: {first}); start every rank 0 .. {world - 1} with the "
+                           "same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise --timeout") from None
+    return store, my_rank, world
+
+
+def wait_for_store(address, port, deadline):
+    """Until the monotonic `deadline`, try to reach rank 0's key-value store at address:port; a TimeoutError
+    when it never answers. (torch's own client retries too, but logs a C++ stack trace at each try.)"""
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer from {address}:{port} ({e.strerror or e})") from None
+            time.sleep(0.2)
 
 
 def startup_barrier(store, world, timeout):
@@ -152,6 +229,55 @@ def startup_barrier(store, world, timeout):
     if barrier.add("arrived", 1) == world:
         barrier.set("all", "1")
     barrier.wait(["all"])
+
+
+LAUNCHER_PID = "GPTLITE_LAUNCHER_PID"  # set by launch() for the ranks it starts: the process they watch
+WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
+
+
+def watch_launcher():
+    """Start (once per process) a daemon thread that ends this rank when the process that launched it is
+    gone, SIGKILL included, where no signal handler runs: the launch() caller (LAUNCHER_PID), else this
+    process's parent when that is torchrun (started by hand). torchrun starts each rank in a session of
+    its own, so nothing else would end it: it would run on, its parent now PID 1. A rank started by hand
+    without torchrun is left alone (its parent is a shell, which nohup may outlive on purpose)."""
+    if any(t.name == "gptlite-launcher-watch" for t in threading.enumerate()):
+        return
+    if LAUNCHER_PID in os.environ:
+        pid = int(os.environ[LAUNCHER_PID])
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        pid = os.getppid()
+    else:
+        return
+    start = _start_time(pid)
+
+    def watch():
+        while _start_time(pid) == start is not None:
+            time.sleep(WATCH_S)
+        with contextlib.suppress(OSError):
+            print(f"rank {rank()}: its launcher (pid {pid}) is gone; this rank stops too", file=sys.stderr, flush=True)
+        os._exit(1)  # from this thread: the main thread may be waiting in a collective that never returns
+    threading.Thread(target=watch, name="gptlite-launcher-watch", daemon=True).start()
+
+
+def _start_time(pid):
+    """The start time of the running process `pid` (a zombie has ended), None when there is none; where
+    there is no /proc (not Linux), 0 while a signal can reach it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (command)": state, ppid, ...
+    return None if fields[0] in "ZX" else int(fields[19])
 
 
 def shutdown():
@@ -233,7 +359,7 @@ def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=
     ambiguous.)"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(script).resolve()), *map(str, args)]  # relative paths in `args` stay the caller's
-    full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+    full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), LAUNCHER_PID: str(os.getpid())}
     try:
         return run_child(cmd, env=full_env, cwd=cwd, capture=capture, timeout_s=timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -269,7 +395,7 @@ def rank_group(device, timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
     """The body of a multi-process script: join the process group (init), yield the Dist with only rank
     0 printing and every failure named (collective_errors), then leave the group."""
     with rank0_speaks():
-        d = init(device, timeout_s)
+        d = init(device, timeout_s, startup_timeout_s=timeout_s)  # the script's --timeout bounds the start too
         with collective_errors(timeout_s, memory_hint):
             yield d
     shutdown()
@@ -293,6 +419,9 @@ def parse_ranks(parser, argv, ranks):
     """parser.parse_args(argv) with args.world: torchrun's world size under torchrun (a --ranks other than the
     default `ranks` that differs from it is an error), else --ranks."""
     args = parser.parse_args(argv)
+    problem = environment_problem()
+    if problem:
+        parser.error(problem)
     args.world = world_size() if launched() else args.ranks
     if launched() and args.ranks not in (ranks, args.world):
         parser.error(f"--ranks {args.ranks} differs from torchrun's {args.world} processes; give one or the other")
@@ -334,6 +463,11 @@ def round_robin(variants, rank, device, repeats):
 def setup(args, parser, check_args):
     """harness.setup in a multi-process script: the launcher checks every flag (then starts torchrun) and each
     rank checks them again; only the ranks' rank 0 prints. Returns (preset, device, data)."""
+    problem = environment_problem()
+    if problem:
+        parser.error(problem)
+    if launched():
+        watch_launcher()  # from the start: loading the model takes a while too
     launcher = args.world > 1 and not launched()
     quiet = launcher or launched() and rank() != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
@@ -450,6 +584,20 @@ def end_process_tree(proc, grace_s=GRACE_S):
     proc.wait()
 
 
+def _die_with(parent):
+    """On Linux, a preexec_fn that has the kernel SIGKILL the child when `parent` dies, SIGKILL
+    included (prctl PR_SET_PDEATHSIG: what no signal handler of the parent can do); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
+    def preexec():
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
 def run_child(cmd, env=None, cwd=None, capture=False, stdout=None, stderr=None, timeout_s=None, grace_s=GRACE_S):
     """Run the command `cmd` (a list: program and arguments) to its end; return the CompletedProcess.
 
@@ -475,7 +623,7 @@ def run_child(cmd, env=None, cwd=None, capture=False, stdout=None, stderr=None, 
         with signals:
             try:
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=capture,
-                                        env=env, cwd=cwd, start_new_session=True)
+                                        env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with(os.getpid()))
                 signals.arm()
                 output = proc.communicate(timeout=timeout_s)
                 signals.armed = False

@@ -67,3 +67,9 @@ def unmeasurable_tpot(monkeypatch):
             return results
         monkeypatch.setattr(inference_utils, "compare_generation", noisy)
     return patch
+
+
+def as_torchrun_rank_0(monkeypatch, world):
+    """This process's environment as torchrun sets it for rank 0 of `world` (nothing is listening)."""
+    for name, value in (("RANK", 0), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29500)):
+        monkeypatch.setenv(name, str(value))

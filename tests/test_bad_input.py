@@ -10,6 +10,9 @@ import glob
 import importlib
 import io
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -262,3 +265,45 @@ def test_the_walk_covers_every_script_that_parses_flags():
     assert len(SCRIPTS) >= 29
     for model_file in ("gptlite.py", "gptlite_rope.py"):
         assert "harness.training_cli(" in (ROOT / model_file).read_text()
+
+
+# ----------------------------------------------------------------------------------------------------
+# A rank started by hand (RANK and WORLD_SIZE set, no torchrun): what env:// lacks, and a peer that never comes.
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank(env, *flags, timeout_s=240):
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    return subprocess.run([sys.executable, "main_pipeline_parallel.py", "--untrained", *flags], cwd=ROOT,
+                          env={**clean, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29533"}, "MASTER_ADDR is not"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}, "RANK must be one of"),
+    ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}, "must be whole numbers"),
+])
+def test_a_rank_started_by_hand_without_what_env_needs_is_refused_in_one_line(real_data, env, says):
+    result = run_rank(env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert says in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_rank_whose_peer_never_comes_waits_timeout_seconds_and_says_for_what(real_data, rank):
+    """`RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=P python main_pipeline_parallel.py --timeout 3`
+    (and rank 1 with no rank 0): a line says what the rank waits for, and --timeout bounds the wait."""
+    port = free_port()
+    result = run_rank({"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                      "--timeout", "3")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"rank {rank} of 2: waiting up to 3 s for the 2 ranks to join at 127.0.0.1:{port}" in lines[0]
+    assert lines[-1].startswith(f"error: rank {rank} of 2: waited 3 s at 127.0.0.1:{port}") and "--timeout" in lines[-1]

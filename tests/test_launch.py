@@ -123,6 +123,56 @@ def test_a_stopped_launch_ends_torchrun_and_its_workers(tmp_path, sig):
     stop_and_check(launcher, tree, sig)
 
 
+# A rank that joins the group of 2 (distributed.init: its watch starts there), then sleeps as SLEEPER does.
+RANK_SLEEPER = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from lib import distributed
+distributed.init("cpu")
+Path(sys.argv[1], f"rank.{{os.getpid()}}").write_text("")
+time.sleep(600)
+"""
+
+
+def test_a_killed_launch_leaves_neither_torchrun_nor_its_workers(tmp_path):
+    """distributed.launch's caller killed by SIGKILL while its 2 ranks sleep in the group: torchrun gets
+    the parent-death signal, each rank sees its launcher gone (distributed.watch_launcher) and exits."""
+    worker = tmp_path / "rank_sleeper.py"
+    worker.write_text(RANK_SLEEPER.format(root=str(ROOT)))
+    launcher = start([sys.executable, "-c", launcher_code(
+        f"distributed.launch({str(worker)!r}, [{str(tmp_path)!r}], nproc=2, timeout_s=None, capture=False)")],
+        tmp_path)
+    tree = {}
+
+    def both_ranks_joined():
+        tree.update(descendants(launcher.pid))
+        return len(list(tmp_path.glob("rank.*"))) == 2 or launcher.poll() is not None
+    wait_until(both_ranks_joined, 180, "torchrun's 2 ranks did not join")
+    assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-2000:]
+    tree.update(descendants(launcher.pid))
+    assert len(tree) >= 3  # torchrun and its 2 ranks
+    stop_and_check(launcher, tree, signal.SIGKILL)
+
+
+def test_a_rank_started_by_hand_is_not_watched_and_a_watched_rank_outlives_no_launcher(tmp_path, monkeypatch):
+    """watch_launcher: no thread for a rank started without torchrun or launch (its shell may end under
+    nohup on purpose); a rank whose LAUNCHER_PID names a process that has ended exits at once, with a line."""
+    for name in (distributed.LAUNCHER_PID, "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    code = ("import sys, time; sys.path.insert(0, {root!r}); from lib import distributed; "
+            "distributed.watch_launcher(); time.sleep(30); print('still here')").format(root=str(ROOT))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    watched = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, distributed.LAUNCHER_PID: str(gone.pid), "RANK": "1", "WORLD_SIZE": "2"})
+    assert watched.returncode == 1 and "still here" not in watched.stdout
+    assert f"rank 1: its launcher (pid {gone.pid}) is gone" in watched.stderr
+    unwatched = subprocess.run([sys.executable, "-c", code.replace("30", "1")], capture_output=True, text=True,
+                               timeout=120)
+    assert unwatched.returncode == 0 and "still here" in unwatched.stdout
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stopped_run_child_ends_the_child_and_every_process_it_started(tmp_path, sig):
     """run_child's child starts a grandchild in a session of its own that ignores SIGTERM: both end
@@ -148,7 +198,25 @@ def test_a_script_that_started_torchrun_itself_and_gets_sigterm_leaves_no_proces
                                                                                    flags):
     """`python main_tensor_parallel.py --ranks 2` and `python main_disaggregation.py` (torchrun started by
     the script) stopped by SIGTERM while their 2 workers run: no process of theirs is left."""
-    launcher = start([sys.executable, ROOT / script, "--untrained", *flags, "--repeats", "100000"], tmp_path)
+    launcher = start([sys.executable, ROOT / script, "--untrained", *flags, "--repeats", "1000"], tmp_path)
+    stop_and_check(launcher, script_workers_started(launcher, script, tmp_path), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("main_expert_parallel.py", ["--batch-sizes", "2", "--n-tokens", "8", "--repeats", "1000"]),
+    ("main_pipeline_parallel.py", ["--batch-size", "2", "--micro-batches", "1", "2", "--n-tokens", "8",
+                                   "--repeats", "1000"]),
+])
+def test_a_script_whose_launcher_is_killed_leaves_no_process(real_data, tmp_path, script, flags):
+    """`timeout -s KILL 25 python main_expert_parallel.py --untrained`: SIGKILL runs no handler of the
+    launcher's, yet torchrun (the kernel's parent-death signal) and its 2 workers (each watches its
+    launcher) end within seconds instead of running on under PID 1."""
+    launcher = start([sys.executable, ROOT / script, "--untrained", *flags], tmp_path)
+    stop_and_check(launcher, script_workers_started(launcher, script, tmp_path), signal.SIGKILL)
+
+
+def script_workers_started(launcher, script, tmp_path):
+    """Wait until torchrun's 2 workers of `script` run below the launcher; {pid: start time} of its tree."""
     tree = {}
 
     def workers_started():
@@ -158,7 +226,7 @@ def test_a_script_that_started_torchrun_itself_and_gets_sigterm_leaves_no_proces
         return len(workers) == 2 or launcher.poll() is not None
     wait_until(workers_started, 180, "torchrun's 2 workers did not start")
     assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-2000:]
-    stop_and_check(launcher, tree, signal.SIGTERM)
+    return tree
 
 
 def cmdline(pid):

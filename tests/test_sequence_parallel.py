@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import main_sequence_parallel as msp
+from conftest import as_torchrun_rank_0
 from gptlite import scaled_dot_product_attention
 from gptlite_rope import GPTlite_RoPE
 from gptlite_sp import Layout, attend_block, check_ulysses_size, merge_, ring_attention, sp_prefill, ulysses_attention
@@ -187,8 +188,7 @@ def test_bad_flags_are_clear_errors_before_any_work(flags, message, capsys, monk
 
 
 def test_ranks_that_differ_from_torchruns_world_are_an_error(capsys, monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    as_torchrun_rank_0(monkeypatch, 4)
     with pytest.raises(SystemExit):
         msp.main(["--ranks", "3", "--device", "cpu"])
     assert "--ranks 3 differs from torchrun's 4 processes" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY
+from conftest import TINY, as_torchrun_rank_0
 
 import inference_utils as iu
 import main_tensor_parallel
@@ -232,8 +232,7 @@ def test_bad_flags_are_clear_errors_before_any_work(argv, message, capsys, monke
 
 
 def test_ranks_that_differ_from_torchruns_world_are_an_error(capsys, monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    as_torchrun_rank_0(monkeypatch, 2)
     with pytest.raises(SystemExit):
         main_tensor_parallel.main(["--ranks", "4"])
     assert "--ranks 4 differs from torchrun's 2 processes" in capsys.readouterr().err
