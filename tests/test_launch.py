@@ -106,21 +106,27 @@ def launcher_code(call):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_launch_ends_torchrun_and_its_workers(tmp_path, sig):
     """distributed.launch (torchrun, 2 workers that sleep) stopped by a signal: nothing survives it."""
-    worker = tmp_path / "sleeper.py"
-    worker.write_text(SLEEPER)
+    stop_and_check(*launch_two(tmp_path, SLEEPER, "worker"), sig)
+
+
+def launch_two(tmp_path, code, name):
+    """distributed.launch of 2 workers running `code` (each writes DIR/NAME.PID when it is ready) from a
+    launcher process; once both are ready: (launcher, {pid: start time} of its tree)."""
+    worker = tmp_path / "launched.py"  # not NAME.*: the ready files are counted by that pattern
+    worker.write_text(code)
     launcher = start([sys.executable, "-c", launcher_code(
-        f"distributed.launch({str(worker)!r}, [{str(tmp_path)!r}, 'worker'], nproc=2, timeout_s=None, "
+        f"distributed.launch({str(worker)!r}, [{str(tmp_path)!r}, {name!r}], nproc=2, timeout_s=None, "
         "capture=False)")], tmp_path)
     tree = {}
 
-    def both_workers_started():
+    def both_workers_ready():
         tree.update(descendants(launcher.pid))
-        return len(list(tmp_path.glob("worker.*"))) == 2 or launcher.poll() is not None
-    wait_until(both_workers_started, 180, "torchrun's 2 workers did not start")
+        return len(list(tmp_path.glob(f"{name}.*"))) == 2 or launcher.poll() is not None
+    wait_until(both_workers_ready, 180, "torchrun's 2 workers did not start")
     assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-2000:]
     tree.update(descendants(launcher.pid))
     assert len(tree) >= 3  # torchrun and its 2 workers
-    stop_and_check(launcher, tree, sig)
+    return launcher, tree
 
 
 # A rank that joins the group of 2 (distributed.init: its watch starts there), then sleeps as SLEEPER does.
@@ -130,7 +136,7 @@ from pathlib import Path
 sys.path.insert(0, {root!r})
 from lib import distributed
 distributed.init("cpu")
-Path(sys.argv[1], f"rank.{{os.getpid()}}").write_text("")
+Path(sys.argv[1], f"{{sys.argv[2]}}.{{os.getpid()}}").write_text("")
 time.sleep(600)
 """
 
@@ -138,21 +144,7 @@ time.sleep(600)
 def test_a_killed_launch_leaves_neither_torchrun_nor_its_workers(tmp_path):
     """distributed.launch's caller killed by SIGKILL while its 2 ranks sleep in the group: torchrun gets
     the parent-death signal, each rank sees its launcher gone (distributed.watch_launcher) and exits."""
-    worker = tmp_path / "rank_sleeper.py"
-    worker.write_text(RANK_SLEEPER.format(root=str(ROOT)))
-    launcher = start([sys.executable, "-c", launcher_code(
-        f"distributed.launch({str(worker)!r}, [{str(tmp_path)!r}], nproc=2, timeout_s=None, capture=False)")],
-        tmp_path)
-    tree = {}
-
-    def both_ranks_joined():
-        tree.update(descendants(launcher.pid))
-        return len(list(tmp_path.glob("rank.*"))) == 2 or launcher.poll() is not None
-    wait_until(both_ranks_joined, 180, "torchrun's 2 ranks did not join")
-    assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-2000:]
-    tree.update(descendants(launcher.pid))
-    assert len(tree) >= 3  # torchrun and its 2 ranks
-    stop_and_check(launcher, tree, signal.SIGKILL)
+    stop_and_check(*launch_two(tmp_path, RANK_SLEEPER.format(root=str(ROOT)), "rank"), signal.SIGKILL)
 
 
 def test_a_rank_started_by_hand_is_not_watched_and_a_watched_rank_outlives_no_launcher(tmp_path, monkeypatch):
