@@ -122,10 +122,17 @@ def launch_two(tmp_path, code, name):
     def both_workers_ready():
         tree.update(descendants(launcher.pid))
         return len(list(tmp_path.glob(f"{name}.*"))) == 2 or launcher.poll() is not None
-    wait_until(both_workers_ready, 180, "torchrun's 2 workers did not start")
-    assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-2000:]
-    tree.update(descendants(launcher.pid))
-    assert len(tree) >= 3  # torchrun and its 2 workers
+    try:
+        wait_until(both_workers_ready, 180, "torchrun's 2 workers did not start")
+        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-2000:]
+        tree.update(descendants(launcher.pid))
+        assert len(tree) >= 3  # torchrun and its 2 workers
+    except BaseException:  # leave no orphans behind a failed start
+        for pid in running(tree):
+            os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
+        raise
     return launcher, tree
 
 
