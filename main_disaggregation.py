@@ -191,6 +191,7 @@ def parse_args(argv):
         help="seconds a rank waits for its peer (a transfer, or the barrier while the other runs the colocated "
              "engine) before it stops with an error; a peer that dies is reported at once")
     args = parser.parse_args(argv)
+    distributed.check_environment(parser)
     if distributed.launched() and distributed.world_size() != 2:
         parser.error(f"disaggregation runs on exactly 2 processes (a prefill and a decode worker), torchrun "
                      f"started {distributed.world_size()}: use --nproc-per-node 2 (or --nnodes 2 with 1 each)")

@@ -20,6 +20,7 @@ The API, small on purpose (everything else is plain torch.distributed):
                                              than timeout_s for a peer raises instead of hanging;
                                              what env:// lacks is refused first (environment_problem)
     watch_launcher()                         a rank ends itself when its launcher is gone (SIGKILL too)
+    check_environment(parser)                what env:// lacks as a parser error, before any work
     shutdown()                               leave the process group (safe to call twice)
     collective_errors(timeout_s,             a context manager: a failed collective (a peer died or
                       memory_hint)           timed out) becomes one clear GPTliteError; this rank's own
@@ -129,8 +130,7 @@ def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S, startup_timeout_s=STARTUP_TI
     problem = environment_problem()
     if problem:
         raise GPTliteError(problem)
-    if launched():
-        watch_launcher()
+    watch_launcher()
     device = torch.device(device)
     backend = backend_for(device)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -177,6 +177,13 @@ def environment_problem():
     return None
 
 
+def check_environment(parser):
+    """environment_problem as a parser error: before any work, and before world_size() or rank() is read."""
+    problem = environment_problem()
+    if problem:
+        parser.error(problem)
+
+
 def rendezvous(timeout_s):
     """Meet the other ranks at MASTER_ADDR:MASTER_PORT (env://: rank 0 serves the key-value store), then
     wait until every rank has arrived (startup_barrier); all of it within timeout_s, or one GPTliteError
@@ -184,12 +191,13 @@ def rendezvous(timeout_s):
     Returns torch's (store, rank, world size)."""
     me, world = rank(), world_size()
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun starts every rank at once; by hand, they may be apart
+    by_hand = "TORCHELASTIC_RUN_ID" not in os.environ  # torchrun starts every rank at once; by hand, they may be apart
+    if by_hand:
         print(f"rank {me} of {world}: waiting up to {timeout_s} s for the {world} ranks to join at {where} "
               "(MASTER_ADDR:MASTER_PORT)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout_s
     try:
-        if me != 0 and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
+        if by_hand and me != 0:
             wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), deadline)
         timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
         store, my_rank, world = next(dist.rendezvous("env://", timeout=timeout))
@@ -241,7 +249,7 @@ def watch_launcher():
     process's parent when that is torchrun (started by hand). torchrun starts each rank in a session of
     its own, so nothing else would end it: it would run on, its parent now PID 1. A rank started by hand
     without torchrun is left alone (its parent is a shell, which nohup may outlive on purpose)."""
-    if any(t.name == "gptlite-launcher-watch" for t in threading.enumerate()):
+    if not launched() or any(t.name == "gptlite-launcher-watch" for t in threading.enumerate()):
         return
     if LAUNCHER_PID in os.environ:
         pid = int(os.environ[LAUNCHER_PID])
@@ -264,10 +272,7 @@ def _start_time(pid):
     """The start time of the running process `pid` (a zombie has ended), None when there is none; where
     there is no /proc (not Linux), 0 while a signal can reach it."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return None
+        stat = _stat(pid)
     except OSError:  # no /proc here
         try:
             os.kill(pid, 0)
@@ -276,8 +281,7 @@ def _start_time(pid):
         except PermissionError:
             pass
         return 0
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (command)": state, ppid, ...
-    return None if fields[0] in "ZX" else int(fields[19])
+    return None if stat is None or stat[2] in "ZX" else stat[1]
 
 
 def shutdown():
@@ -419,9 +423,7 @@ def parse_ranks(parser, argv, ranks):
     """parser.parse_args(argv) with args.world: torchrun's world size under torchrun (a --ranks other than the
     default `ranks` that differs from it is an error), else --ranks."""
     args = parser.parse_args(argv)
-    problem = environment_problem()
-    if problem:
-        parser.error(problem)
+    check_environment(parser)
     args.world = world_size() if launched() else args.ranks
     if launched() and args.ranks not in (ranks, args.world):
         parser.error(f"--ranks {args.ranks} differs from torchrun's {args.world} processes; give one or the other")
@@ -463,11 +465,6 @@ def round_robin(variants, rank, device, repeats):
 def setup(args, parser, check_args):
     """harness.setup in a multi-process script: the launcher checks every flag (then starts torchrun) and each
     rank checks them again; only the ranks' rank 0 prints. Returns (preset, device, data)."""
-    problem = environment_problem()
-    if problem:
-        parser.error(problem)
-    if launched():
-        watch_launcher()  # from the start: loading the model takes a while too
     launcher = args.world > 1 and not launched()
     quiet = launcher or launched() and rank() != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
@@ -513,19 +510,25 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
+def _stat(pid):
+    """(parent pid, start time, state) of process `pid`, read from /proc (Linux); None when there is none.
+    An OSError other than FileNotFoundError means that there is no /proc to read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:  # no such process (it ended meanwhile)
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (command)": state, ppid, ...
+    return int(fields[1]), int(fields[19]), fields[0]
+
+
 def _process_table():
     """{pid: (parent pid, start time, state)} of every process, read from /proc (Linux); {} elsewhere."""
     table = {}
     with contextlib.suppress(OSError):
         for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                try:
-                    with open(f"/proc/{entry.name}/stat") as f:
-                        stat = f.read()
-                except OSError:  # it ended meanwhile
-                    continue
-                fields = stat[stat.rindex(")") + 2:].split()  # after "pid (command)": state, ppid, ...
-                table[int(entry.name)] = (int(fields[1]), int(fields[19]), fields[0])
+            if entry.name.isdigit() and (stat := _stat(entry.name)):
+                table[int(entry.name)] = stat
     return table
 
 

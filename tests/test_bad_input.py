@@ -276,10 +276,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_rank(env, *flags, timeout_s=240):
+def run_rank(env, *flags, script="main_pipeline_parallel.py", timeout_s=240):
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    return subprocess.run([sys.executable, "main_pipeline_parallel.py", "--untrained", *flags], cwd=ROOT,
+    return subprocess.run([sys.executable, script, "--untrained", *flags], cwd=ROOT,
                           env={**clean, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
                           timeout=timeout_s, stdin=subprocess.DEVNULL)
 
@@ -294,6 +294,13 @@ def test_a_rank_started_by_hand_without_what_env_needs_is_refused_in_one_line(re
     result = run_rank(env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert says in result.stderr.strip().splitlines()[-1]
+
+
+def test_main_disaggregation_refuses_what_env_lacks_too(real_data):
+    """Its own parser (not parse_ranks): the same check, before it reads WORLD_SIZE."""
+    result = run_rank({"RANK": "0", "WORLD_SIZE": "two"}, script="main_disaggregation.py")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "MASTER_ADDR and MASTER_PORT are not" in result.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
