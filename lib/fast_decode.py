@@ -1,0 +1,135 @@
+"""The repository's fast decode path on a CPU: GPTlite's cached forward pass as one C++ call.
+
+Blog: part 2 ("kernel fusion and compilers"), the limit that compilers approach. At the cpu preset one
+decoding step is about 1.7 MFLOP over 3.3 MB of weights, tens of microseconds of arithmetic, and eager
+PyTorch spends about 2 ms on it in 666 operator calls. lib/fast_decode.cpp runs a whole step (all the
+blocks, the final LayerNorm, the head) as one function over the model's own weight tensors, and
+`generate_fast` runs the greedy token loop in C++ too. It is built on first use with the machine's C++
+compiler (torch.utils.cpp_extension; about a minute, once) and threads follow torch.set_num_threads.
+
+    native = native_view(model)                 # a GPTlite_KVCache whose cached pass is the C++ one
+    native.forward_cache(idx, cache)            # logits [B, T, V] through a StaticKVCache, as eager
+    generate_fast(model, prompt, n_tokens, seqlen)   # == generate_kvcache(model, prompt, n_tokens, seqlen)
+
+`native_view` shares the model's modules and weights (nothing copied) and keeps the cached interface
+(`hidden_states`, `forward_cache`, a StaticKVCache rolled back with `truncate`), so the speculative
+decoding loop, its drafts and plain decoding run on it unchanged. The math is the eager model's; only
+the order of float sums differs (tests/test_fast_decode.py: logits within 1e-4, the same tokens).
+Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (and pruned ones), float32 on the CPU.
+"""
+import copy
+import functools
+import pathlib
+import shutil
+import sys
+
+import torch
+
+from gptlite import GPTlite, Block, MultiHeadAttention, FeedForward, check_generation_args
+from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, MultiHeadAttention_KVCache, StaticKVCache,
+                             kv_cache_view)
+from gptlite_gqa import GPTlite_GQA, MultiHeadAttention_GQA
+from lib.errors import GPTliteError
+
+SOURCE = pathlib.Path(__file__).with_name("fast_decode.cpp")
+MODELS = (GPTlite, GPTlite_KVCache, GPTlite_GQA)  # exactly these classes: a subclass may change the math
+BLOCKS = (Block, Block_KVCache)
+ATTENTION = (MultiHeadAttention, MultiHeadAttention_KVCache, MultiHeadAttention_GQA)
+
+
+def check_compiler():
+    """A clear error, before any work, where the extension cannot be built."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        raise GPTliteError("the fast decode path compiles lib/fast_decode.cpp on first use and found no C++ "
+                           "compiler: install one (e.g. `apt install g++`), or leave the fast rows out")
+    if shutil.which("ninja") is None:
+        raise GPTliteError("torch.utils.cpp_extension builds with ninja, which is not installed: "
+                           "`pip install -r requirements.txt` installs it")
+
+
+@functools.cache
+def extension():
+    """The compiled module (built on first use; later calls in this process reuse it, and later processes
+    reuse torch's build directory unless the source changed)."""
+    check_compiler()
+    from torch.utils import cpp_extension
+    print(f"fast decode path: loading {SOURCE.name} (built once per machine, about a minute) ...", file=sys.stderr)
+    try:
+        return cpp_extension.load(name="gptlite_fast_decode", sources=[str(SOURCE)],
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except (RuntimeError, OSError) as error:  # a compiler error: its output is above
+        raise GPTliteError(f"building {SOURCE} failed ({str(error).splitlines()[0]}); "
+                           "the compiler's output is above") from error
+
+
+def check_model(model):
+    """The models the kernel computes exactly: GPTlite's architecture (MHA or GQA), float32, on the CPU."""
+    blocks = getattr(model, "blocks", ())
+    if (type(model) not in MODELS or any(type(b) not in BLOCKS or type(b.mha) not in ATTENTION
+                                         or type(b.ffwd) is not FeedForward for b in blocks)):
+        raise ValueError(f"the fast decode path computes GPTlite, GPTlite_KVCache and GPTlite_GQA; got a "
+                         f"{type(model).__name__}: use its eager path (generate_kvcache)")
+    p = model.fc_out.weight
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        raise ValueError(f"the fast decode path is float32 on the CPU; the model is {p.dtype} on {p.device}: "
+                         "use model.float().cpu(), or the compiled rows on a GPU")
+
+
+def weight_list(model):
+    """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head."""
+    w = [model.token_embedding.weight, model.position_embedding.weight]
+    for block in model.blocks:
+        mha, net = block.mha, block.ffwd.net
+        for module in (block.ln1, mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj, block.ln2,
+                       net[0], net[2]):
+            w += [module.weight, module.bias]
+    w += [model.ln.weight, model.ln.bias, model.fc_out.weight, model.fc_out.bias]
+    return [t.detach().contiguous() for t in w]  # shared storage: in place updates of the weights are seen
+
+
+class GPTlite_Native(GPTlite_KVCache):
+    """A GPTlite_KVCache whose cached forward pass through a StaticKVCache is the C++ one (native_view)."""
+
+    def native_pass(self, idx, cache, with_head):
+        if not isinstance(cache, StaticKVCache):
+            raise ValueError(f"the fast decode path writes a StaticKVCache's buffers; got a {type(cache).__name__}: "
+                             "use StaticKVCache.for_model(model, batch_size)")
+        cache.check_new_tokens(idx.shape[1])
+        T, n, S = idx.shape[1], cache.n_tokens, cache.max_seqlen
+        if T > 1 and n + T > S:  # past the window: fill it, then one token at a time (as the eager pass)
+            n_fit = max(S - n, 0)
+            chunks = ([idx[:, :n_fit]] if n_fit else []) + list(idx[:, n_fit:].split(1, dim=1))
+            return torch.cat([self.native_pass(chunk, cache, with_head) for chunk in chunks], dim=1)
+        out = extension().forward(self.weights, self.config.n_heads, self.ln.eps, idx.contiguous(), n,
+                                  cache.keys, cache.values, with_head)
+        cache.advance(T)
+        return out
+
+    def hidden_states(self, idx, cache):
+        return self.native_pass(idx, cache, with_head=False)  # [B, T, d_model]
+
+    def forward_cache(self, idx, cache):
+        return self.native_pass(idx, cache, with_head=True)  # [B, T, vocab]
+
+
+def native_view(model):
+    """`model` (see check_model) as a GPTlite_Native that shares its modules and weights: the cached
+    interface of GPTlite_KVCache, computed by lib/fast_decode.cpp. Builds the extension if needed."""
+    check_model(model)
+    extension()
+    view = copy.copy(kv_cache_view(model))
+    view.__class__ = GPTlite_Native
+    view.__dict__["weights"] = weight_list(model)
+    return view
+
+
+@torch.inference_mode()
+def generate_fast(model, prompt, n_tokens, seqlen):
+    """Greedy decoding with a KV cache, the whole loop in C++: generate_kvcache's arguments and result,
+    the prompt followed by the n_tokens new tokens [B, P + n_tokens] (past seqlen, the window slides)."""
+    check_model(model)
+    check_generation_args(model, prompt, n_tokens, seqlen)
+    ext = extension()
+    cache = StaticKVCache.for_model(model, prompt.shape[0], seqlen)  # GQA: its groups' heads
+    return ext.generate(weight_list(model), model.config.n_heads, model.ln.eps, prompt.contiguous(), n_tokens,
+                        cache.keys, cache.values)

@@ -1,0 +1,163 @@
+"""lib/fast_decode.py: the C++ cached forward pass against the eager model.
+
+References: the full forward pass without a cache (GPTlite.forward over the whole sequence) for every
+position inside the window, and the eager cached pass (GPTlite_KVCache.forward_cache on a StaticKVCache)
+past it, where a sliding window has no full-forward equivalent. Logits agree within atol 1e-4 (float32
+sums in another order; the logits are a few units, see conftest.random_gptlite); greedy tokens are equal.
+The extension is built once per machine (about a minute) and reused by every test here.
+"""
+import pytest
+import torch
+
+from conftest import TINY, random_gptlite
+from gptlite import GPTlite
+from gptlite_gqa import GPTlite_GQA
+from gptlite_kvcache import DynamicKVCache, StaticKVCache, generate_kvcache, kv_cache_view
+from lib import fast_decode
+from lib.errors import GPTliteError
+from lib.speculative import ModelDrafter, plain_generate, speculative_generate
+
+ATOL = 1e-4
+
+
+def randomized(model, seed=0):
+    """Every parameter drawn from N(0, 0.5), as conftest.random_gptlite: peaked attention, logits of units."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def gqa_model(n_groups=1, **shape):
+    return randomized(GPTlite_GQA(**dict(TINY, n_heads=4, n_groups=n_groups, **shape)))
+
+
+MODELS = {
+    "mha": lambda: random_gptlite(),
+    "odd shapes": lambda: randomized(GPTlite(**dict(TINY, d_model=20, n_heads=3, d_head=7, d_ff=70))),
+    "gqa 2 groups": lambda: gqa_model(n_groups=2),
+    "mqa": lambda: gqa_model(n_groups=1, d_head=5),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    """The extension, built once for the module; the tests skip with the reason where it cannot be."""
+    try:
+        fast_decode.extension()
+    except GPTliteError as error:
+        pytest.skip(str(error))
+
+
+def tokens(B, T, seed=1):
+    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_and_steps_match_the_full_forward_pass(name):
+    """Prefill of 5 tokens, then one token at a time to the end of the window: the logits of every
+    position equal the full forward pass's over the whole sequence (a wrong mask, position, group or
+    cache slot shows far above atol), and the cache holds the eager model's keys and values."""
+    model = MODELS[name]()
+    B, P, S = 3, 5, TINY["seqlen"]
+    idx = tokens(B, S)
+    with torch.no_grad():
+        reference = model(idx)  # [B, S, V]: no cache, causal mask over the whole sequence
+    reference = reference[0] if isinstance(reference, tuple) else reference  # the cached classes: (logits, cache)
+    native, cache = fast_decode.native_view(model), StaticKVCache.for_model(model, B)
+    logits = [native.forward_cache(idx[:, :P], cache)]
+    logits += [native.forward_cache(idx[:, t:t + 1], cache) for t in range(P, S)]
+    torch.testing.assert_close(torch.cat(logits, dim=1), reference, atol=ATOL, rtol=0)
+    eager_cache = StaticKVCache.for_model(model, B)
+    kv_cache_view(model).forward_cache(idx, eager_cache)
+    torch.testing.assert_close(cache.keys, eager_cache.keys, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.values, eager_cache.values, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa 2 groups"])
+def test_past_the_window_matches_the_eager_sliding_cache(name):
+    """A window of 6 slots, 7 prompt tokens after a prefill of 4 (3 fit, then one at a time, wrapped),
+    then 6 steps: logits and hidden states as the eager cached pass on its own StaticKVCache."""
+    model = MODELS[name]()
+    eager, native = kv_cache_view(model), fast_decode.native_view(model)
+    idx = tokens(2, 17, seed=3)
+    caches = [StaticKVCache.for_model(model, 2, max_seqlen=6) for _ in range(2)]
+    for chunk in (idx[:, :4], idx[:, 4:11], *idx[:, 11:].split(1, dim=1)):
+        with torch.no_grad():
+            expected = eager.forward_cache(chunk, caches[0])
+        torch.testing.assert_close(native.forward_cache(chunk, caches[1]), expected, atol=ATOL, rtol=0)
+    assert caches[0].n_tokens == caches[1].n_tokens == 17
+    with torch.no_grad():
+        expected = eager.hidden_states(idx[:, :3], caches[0])
+    torch.testing.assert_close(native.hidden_states(idx[:, :3], caches[1]), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("seqlen", [TINY["seqlen"], 6])
+def test_generate_fast_equals_generate_kvcache(name, seqlen):
+    """The C++ token loop: the same greedy tokens as the eager one, within and past the window."""
+    model = MODELS[name]()
+    prompt = tokens(3, 4, seed=5)
+    expected = generate_kvcache(kv_cache_view(model), prompt, 30, seqlen)
+    assert torch.equal(fast_decode.generate_fast(model, prompt, 30, seqlen), expected)
+
+
+def test_hidden_states_before_the_final_layer_norm():
+    model = random_gptlite()
+    idx = tokens(2, 9)
+    with torch.no_grad():
+        expected = kv_cache_view(model).hidden_states(idx, StaticKVCache.for_model(model, 2))
+    native = fast_decode.native_view(model)
+    torch.testing.assert_close(native.hidden_states(idx, StaticKVCache.for_model(model, 2)), expected,
+                               atol=ATOL, rtol=0)
+
+
+def test_speculative_decoding_on_the_fast_path_keeps_the_greedy_tokens():
+    """Target and draft both on the C++ pass, rolled back by StaticKVCache.truncate: the tokens are the
+    target's plain greedy ones (the draft, another model, is wrong often enough to roll back)."""
+    target, draft = random_gptlite(seed=0), random_gptlite(seed=1)
+    prompt = tokens(2, 3, seed=7)
+    expected = plain_generate(target, prompt, 12)
+    native_target = fast_decode.native_view(target)
+    got, stats = speculative_generate(native_target, ModelDrafter(fast_decode.native_view(draft)), prompt, 12, 3)
+    assert torch.equal(got, expected)
+    assert stats.accepted < stats.judged  # rejections happened: the rollback was exercised
+    assert torch.equal(plain_generate(native_target, prompt, 12), expected)
+
+
+def test_native_view_shares_the_weights():
+    model = random_gptlite()
+    native = fast_decode.native_view(model)
+    idx = tokens(1, 4)
+    before = native.forward_cache(idx, StaticKVCache.for_model(model, 1))
+    with torch.no_grad():
+        model.fc_out.bias += 1.0  # seen through the shared storage, no new view needed
+    after = native.forward_cache(idx, StaticKVCache.for_model(model, 1))
+    torch.testing.assert_close(after, before + 1.0, atol=ATOL, rtol=0)
+
+
+def test_unsupported_models_and_caches_are_refused():
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        fast_decode.native_view(random_gptlite().double())
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        fast_decode.generate_fast(random_gptlite().to(torch.bfloat16), tokens(1, 2), 3, 8)
+
+    class Subclass(GPTlite):  # a subclass may change the math: refused, not computed wrongly
+        pass
+    with pytest.raises(ValueError, match="use its eager path"):
+        fast_decode.native_view(Subclass(**TINY))
+    native, model = fast_decode.native_view(random_gptlite()), random_gptlite()
+    with pytest.raises(ValueError, match="StaticKVCache"):
+        native.forward_cache(tokens(1, 2), DynamicKVCache([None] * TINY["n_layers"]))
+    with pytest.raises(ValueError, match="seqlen"):
+        fast_decode.generate_fast(model, tokens(1, 2), 3, TINY["seqlen"] + 1)
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None)
+    with pytest.raises(GPTliteError, match="no C\\+\\+ compiler"):
+        fast_decode.check_compiler()
+    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None if name == "ninja" else f"/usr/bin/{name}")
+    with pytest.raises(GPTliteError, match="ninja"):
+        fast_decode.check_compiler()
