@@ -5,7 +5,7 @@
 // step (all layers, the head and the greedy argmax) is one function with no operator dispatch, no
 // intermediate tensors and no Python; generate() runs the token loop in C++ as well.
 //
-// The math is the eager model's (lib/fast_decode.py passes its own weight tensors, nothing copied):
+// The math is the eager model's (lib/fast_decode.py passes its weights, the linear ones transposed):
 // embeddings, per block x += out(attn(ln1(x))), x += W2 relu(W1 ln2(x)), then ln and the head. Only the
 // order of the float sums differs (tests/test_fast_decode.py: logits within 1e-4 of the eager model's,
 // the same greedy tokens). The cache is a StaticKVCache's buffers [L, B, G, S, D], written in place, as
@@ -23,36 +23,62 @@ namespace {
 
 constexpr int kPerBlock = 16;  // tensors per block in the weight list (see lib/fast_decode.py)
 
-// y[m, n] = b[n] + sum_k x[m, k] W[n, k] (nn.Linear's layout: W [N, K]), then ReLU when asked.
-// Four output rows at a time: four independent sums (no single dependency chain) that share each
-// load of x[m]; the four weight rows (2 KB at K = 128) stay in L1 while every m reads them.
-void linear(const float* x, const float* W, const float* b, float* y, int64_t M, int64_t K, int64_t N,
-            bool relu = false) {
-  const int64_t grain = std::max<int64_t>(4, 65536 / std::max<int64_t>(1, M * K));  // tiny work: one thread
-  at::parallel_for(0, (N + 3) / 4, (grain + 3) / 4, [&](int64_t q0, int64_t q1) {
-    for (int64_t n = 4 * q0; n < std::min(N, 4 * q1); n += 4) {
-      const int64_t rows = std::min<int64_t>(4, N - n);
-      const float* w0 = W + n * K;
-      const float* w1 = W + (n + (rows > 1 ? 1 : 0)) * K;  // past the last row: recompute row n, unused
-      const float* w2 = W + (n + (rows > 2 ? 2 : 0)) * K;
-      const float* w3 = W + (n + (rows > 3 ? 3 : 0)) * K;
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * K;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (int64_t k = 0; k < K; ++k) {
-          a0 += xm[k] * w0[k];
-          a1 += xm[k] * w1[k];
-          a2 += xm[k] * w2[k];
-          a3 += xm[k] * w3[k];
-        }
-        const float acc[4] = {a0, a1, a2, a3};
-        for (int64_t r = 0; r < rows; ++r) {
-          const float v = acc[r] + b[n + r];
-          y[m * N + n + r] = relu && v < 0.f ? 0.f : v;
-        }
-      }
+// Eight floats in one register (a GCC/Clang vector type: AVX2 or AVX-512 code from -march=native).
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 load8(const float* p) {
+  v8 v;
+  __builtin_memcpy(&v, p, sizeof v);  // an unaligned load
+  return v;
+}
+
+// y[m, n] = b[n] + sum_k x[m, k] Wt[k, n] for MR rows m and the 8 NV columns from n0: the register tile of a
+// matrix product. Per k, NV loads of the weight row serve MR rows of x and each x[m, k] (broadcast) NV
+// vectors: at MR = 4, NV = 4 that is 8 loads for 16 vector multiply-adds, with no horizontal sums
+// (Wt is the transposed weight, [K, N], so eight consecutive outputs are one vector).
+template <int MR, int NV>
+void tile(const float* x, const float* Wt, const float* b, float* y, int64_t K, int64_t N, int64_t n0, bool relu) {
+  v8 acc[MR][NV] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    v8 w[NV];
+    for (int j = 0; j < NV; ++j) w[j] = load8(Wt + k * N + n0 + 8 * j);
+    for (int i = 0; i < MR; ++i) {
+      const float xi = x[i * K + k];
+      for (int j = 0; j < NV; ++j) acc[i][j] += xi * w[j];
     }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j)
+      for (int e = 0; e < 8; ++e) {
+        const float v = acc[i][j][e] + b[n0 + 8 * j + e];
+        y[i * N + n0 + 8 * j + e] = relu && v < 0.f ? 0.f : v;
+      }
+}
+
+// The columns n0 .. n1 of rows x [MR, K]: panels of 32, then of 8, then the last N % 8 one at a time.
+template <int MR>
+void columns(const float* x, const float* Wt, const float* b, float* y, int64_t K, int64_t N, int64_t n0,
+             int64_t n1, bool relu) {
+  int64_t n = n0;
+  for (; n + 32 <= n1; n += 32) tile<MR, 4>(x, Wt, b, y, K, N, n, relu);
+  for (; n + 8 <= n1; n += 8) tile<MR, 1>(x, Wt, b, y, K, N, n, relu);
+  for (; n < n1; ++n)
+    for (int i = 0; i < MR; ++i) {
+      float v = b[n];
+      for (int64_t k = 0; k < K; ++k) v += x[i * K + k] * Wt[k * N + n];
+      y[i * N + n] = relu && v < 0.f ? 0.f : v;
+    }
+}
+
+// y [M, N] = x [M, K] Wt [K, N] + b, then ReLU when asked (nn.Linear with its weight transposed).
+// Threads split the columns in panels of 32; rows of x go four at a time, the rest one by one.
+void linear(const float* x, const float* Wt, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+            bool relu = false) {
+  const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, M * K));  // >= 64K FLOP per thread
+  at::parallel_for(0, (N + 31) / 32, grain, [&](int64_t p0, int64_t p1) {
+    const int64_t n0 = 32 * p0, n1 = std::min(N, 32 * p1);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) columns<4>(x + m * K, Wt, b, y + m * N, K, N, n0, n1, relu);
+    for (; m < M; ++m) columns<1>(x + m * K, Wt, b, y + m * N, K, N, n0, n1, relu);
   });
 }
 
@@ -84,9 +110,9 @@ Model make_model(const std::vector<torch::Tensor>& w, int64_t n_heads, double ep
   m.n_layers = (static_cast<int64_t>(w.size()) - 6) / kPerBlock;
   m.d_model = w[0].size(1);
   m.n_heads = n_heads;
-  m.d_head = w[2 + 2].size(0) / n_heads;  // query_proj [H D, d_model]
-  m.d_ff = w[2 + 12].size(0);
-  m.vocab = w[w.size() - 1].size(0);
+  m.d_head = w[2 + 2].size(1) / n_heads;  // query_proj, transposed: [d_model, H D]
+  m.d_ff = w[2 + 12].size(1);
+  m.vocab = w[w.size() - 1].size(0);  // the head's bias
   m.eps = eps;
   return m;
 }

@@ -11,7 +11,8 @@ compiler (torch.utils.cpp_extension; about a minute, once) and threads follow to
     native.forward_cache(idx, cache)            # logits [B, T, V] through a StaticKVCache, as eager
     generate_fast(model, prompt, n_tokens, seqlen)   # == generate_kvcache(model, prompt, n_tokens, seqlen)
 
-`native_view` shares the model's modules and weights (nothing copied) and keeps the cached interface
+`native_view` shares the model's modules (its linear weights transposed once, a copy: a view made before
+the weights change computes the old ones) and keeps the cached interface
 (`hidden_states`, `forward_cache`, a StaticKVCache rolled back with `truncate`), so the speculative
 decoding loop, its drafts and plain decoding run on it unchanged. The math is the eager model's; only
 the order of float sums differs (tests/test_fast_decode.py: logits within 1e-4, the same tokens).
@@ -76,15 +77,21 @@ def check_model(model):
 
 
 def weight_list(model):
-    """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head."""
+    """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head.
+    Linear weights are transposed copies, [in, out] (eight consecutive outputs are one vector load); the
+    other tensors share the model's storage."""
+    def linear(module):
+        return [module.weight.t().contiguous(), module.bias]
+
     w = [model.token_embedding.weight, model.position_embedding.weight]
     for block in model.blocks:
         mha, net = block.mha, block.ffwd.net
-        for module in (block.ln1, mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj, block.ln2,
-                       net[0], net[2]):
-            w += [module.weight, module.bias]
-    w += [model.ln.weight, model.ln.bias, model.fc_out.weight, model.fc_out.bias]
-    return [t.detach().contiguous() for t in w]  # shared storage: in place updates of the weights are seen
+        w += [block.ln1.weight, block.ln1.bias]
+        for module in (mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj):
+            w += linear(module)
+        w += [block.ln2.weight, block.ln2.bias, *linear(net[0]), *linear(net[2])]
+    w += [model.ln.weight, model.ln.bias, *linear(model.fc_out)]
+    return [t.detach().contiguous() for t in w]
 
 
 class GPTlite_Native(GPTlite_KVCache):
@@ -113,8 +120,9 @@ class GPTlite_Native(GPTlite_KVCache):
 
 
 def native_view(model):
-    """`model` (see check_model) as a GPTlite_Native that shares its modules and weights: the cached
-    interface of GPTlite_KVCache, computed by lib/fast_decode.cpp. Builds the extension if needed."""
+    """`model` (see check_model) as a GPTlite_Native that shares its modules: the cached interface of
+    GPTlite_KVCache, computed by lib/fast_decode.cpp on the weights as they are now (weight_list).
+    Builds the extension if needed."""
     check_model(model)
     extension()
     view = copy.copy(kv_cache_view(model))

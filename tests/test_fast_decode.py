@@ -126,15 +126,19 @@ def test_speculative_decoding_on_the_fast_path_keeps_the_greedy_tokens():
     assert torch.equal(plain_generate(native_target, prompt, 12), expected)
 
 
-def test_native_view_shares_the_weights():
+def test_a_new_view_computes_changed_weights():
+    """native_view reads the weights when it is made (linear weights transposed): a new view, new weights."""
     model = random_gptlite()
-    native = fast_decode.native_view(model)
     idx = tokens(1, 4)
-    before = native.forward_cache(idx, StaticKVCache.for_model(model, 1))
+    before = fast_decode.native_view(model).forward_cache(idx, StaticKVCache.for_model(model, 1))
     with torch.no_grad():
-        model.fc_out.bias += 1.0  # seen through the shared storage, no new view needed
-    after = native.forward_cache(idx, StaticKVCache.for_model(model, 1))
-    torch.testing.assert_close(after, before + 1.0, atol=ATOL, rtol=0)
+        model.fc_out.weight.mul_(2.0)
+        model.fc_out.bias += 1.0
+    after = fast_decode.native_view(model).forward_cache(idx, StaticKVCache.for_model(model, 1))
+    with torch.no_grad():
+        expected = model(idx)
+    torch.testing.assert_close(after, expected, atol=ATOL, rtol=0)
+    assert (after - before).abs().max() > 0.5
 
 
 def test_unsupported_models_and_caches_are_refused():
