@@ -41,8 +41,9 @@ ATTENTION = (MultiHeadAttention, MultiHeadAttention_KVCache, MultiHeadAttention_
 def check_compiler():
     """A clear error, before any work, where the extension cannot be built."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        raise GPTliteError("the fast decode path compiles lib/fast_decode.cpp on first use and found no C++ "
-                           "compiler: install one (e.g. `apt install g++`), or leave the fast rows out")
+        raise GPTliteError("no C++ compiler (c++ or g++) on this machine: the fast decode path (lib/fast_decode.cpp) "
+                           "and torch.compile on a CPU build C++ code; install one (e.g. `apt install g++`), "
+                           "or leave the compiled and fast variants out")
     if shutil.which("ninja") is None:
         raise GPTliteError("torch.utils.cpp_extension builds with ninja, which is not installed: "
                            "`pip install -r requirements.txt` installs it")

@@ -9,7 +9,7 @@ import torch
 
 import main_compile
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
-from lib import compiled, engines, harness
+from lib import compiled, engines, fast_decode, harness
 
 # n_heads * d_head == d_model (GPT-2 needs it) and vocab 65 <= d_model (the head's bias folds into ln_f)
 PORTABLE = dict(vocab_size=65, d_model=80, n_heads=4, d_head=20, n_layers=2, dropout_p=0.0, seqlen=16)
@@ -106,7 +106,7 @@ QUICK = ["--preset", "cpu", "--device", "cpu", "--repeats", "1", "--n-tokens", "
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--modes", "reduce-overhead"], "need a CUDA device"), (["--modes", "fast"], "invalid choice"),
+    (["--modes", "reduce-overhead"], "need a CUDA device"), (["--modes", "turbo"], "invalid choice"),
     (["--threads", "0"], "at least 1"), (["--n-tokens", "125"], "exceeds the cpu preset's seqlen=128"),
     (["--extra-presets", "cpu"], "is --preset's shape already"), (["--engines", "vllm"], "invalid choice"),
     (["--batch-sizes", "1", "1"], "repeats a value")])
@@ -115,6 +115,41 @@ def test_bad_compile_flags_are_clear_errors_before_any_work(flags, match, capsys
     with pytest.raises(SystemExit) as e:
         main_compile.main(["--untrained"] + QUICK + flags)
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_no_cpp_compiler_is_a_clear_error_before_any_work(capsys, monkeypatch):
+    """torch.compile and the fast path build C++ on a CPU: without a compiler, one line, before the data."""
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main_compile.main(["--untrained"] + QUICK + ["--modes", "fast"])
+    assert e.value.code == 2 and "no C++ compiler" in capsys.readouterr().err
+
+
+def test_main_compile_times_the_fast_path_with_eagers_tokens(real_data, tmp_path):
+    """--modes fast: the C++ row is timed only after its tokens equal eager's (require_checks), and the
+    goal lines compare the fastest of ours with the fastest engine per batch size."""
+    out = tmp_path / "c.json"
+    main_compile.main(["--untrained", "--json", str(out), "--modes", "fast", "--engines", "ct2"] + QUICK[:-5]
+                      + ["--batch-sizes", "1", "2", "--extra-presets", "--threads", "1"])
+    result = json.loads(out.read_text())
+    rows = {(r["variant"], r["batch_size"]): r for r in result["rows"]}
+    assert {("fast (C++)", 1), ("fast (C++)", 2)} <= set(rows)
+    assert all(rows[("fast (C++)", b)]["same_tokens"] == "yes" for b in (1, 2))
+
+
+def test_the_goal_compares_our_fastest_with_the_fastest_engine_per_batch():
+    preset = main_compile.get_preset("cpu")
+    rows = [dict(variant=v, shape="cpu (trained)", batch_size=b, tpot_ms=t, threads=1) for v, b, t in [
+        ("eager", 1, 2.0), ("fast (C++)", 1, 0.06), ("ct2", 1, 0.08), ("ct2-int8", 1, 0.075),
+        ("eager", 8, 5.0), ("fast (C++)", 8, 0.5), ("ct2", 8, 0.3), ("hf", 8, None)]]
+    rows.append(dict(variant="fast (C++)", shape="distilled (untrained)", batch_size=8, tpot_ms=0.01, threads=1))
+    lines = main_compile.goal_lines(rows, preset, calls=600, step_ms=1.0)
+    assert "batch 1: fastest of ours fast (C++) 0.060 ms (1 threads) against ct2-int8 0.075 ms" in lines[0]
+    assert lines[0].endswith("= 0.80x: met (<= 1.5x)")
+    assert "batch 8: fastest of ours fast (C++) 0.500 ms" in lines[1] and lines[1].endswith("= 1.67x: NOT met (<= 1.5x)")
+    assert main_compile.headline(rows, preset)["figure"] == ("batch 1: fast (C++) 0.80x ct2-int8's TPOT; "
+                                                             "batch 8: fast (C++) 1.67x ct2's TPOT")
 
 
 def test_main_compile_skips_an_engine_that_is_not_installed_in_one_line(real_data, tmp_path, capsys, monkeypatch):
