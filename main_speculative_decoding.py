@@ -20,6 +20,12 @@ reusing the target's head, trained on the frozen target) and `mtp` (DeepSeek-V3'
 prediction module trained with the model: cpu.pt trained on with the MTP loss, gptlite_mtp.py; its
 speedup is against plain decoding of that model). Each is trained once and saved in checkpoints/.
 
+Each figure is measured on every decode path of --paths, side by side in one run: `eager` (the
+PyTorch model, about 2 ms a step at the cpu preset, most of it operator overhead) and `fast`
+(lib/fast_decode.py: target and model drafts as one C++ call per pass, a few hundredths of a ms), where a
+draft's cost and the verification pass's cost follow bytes and FLOPs rather than operator counts. The
+speculation loop, the acceptance rule and the heads (medusa, eagle, mtp) are the same PyTorch code on both.
+
 Checks before any timing: greedy speculative tokens equal the target's greedy tokens without a cache
 (generate) for every draft, gamma and batch; sampling keeps the target's distribution: the first
 --stat-chars characters after a prompt, drawn --stat-samples times, pass Pearson's chi-square test
@@ -41,7 +47,8 @@ from lib.draft_heads import (FeatureHead, MedusaHeads, eagle_loss_fn, feature_lo
                              medusa_loss_fn)
 from lib.speculative import (FeatureDrafter, LookupDrafter, MedusaDrafter, ModelDrafter,  # noqa: F401
                              accept_always, accept_draft, early_exit_model, exact_continuations, measure_group,
-                             run_once, sampling_test, speculative_generate)
+                             plain_generate, run_once, sampling_test, speculative_generate)
+from lib.fast_decode import on_path
 from main_distillation import distillation_loss, student_preset
 
 DEFAULTS = {"cpu": dict(draft_iters=150, head_iters=120, mtp_steps=60)}  # other presets: the student preset's iters
@@ -84,9 +91,10 @@ def trained(model, config, name, preset, data, rebuild, stamp, steps, lr, seed, 
 
 
 def build_drafts(target, preset, data, device, args, rebuild):
-    """The drafts of args.drafts: {name: (target name, drafter)}, the targets {name: GPTlite} and one row per
-    trained draft (parameters, steps, how it was obtained, its validation loss: a model's own; a head's on
-    the token after next). Only the drafts asked for are trained or loaded."""
+    """The drafts of args.drafts: {name: (target name, make)}, make(path) a new drafter whose models run on
+    that decode path (lib/fast_decode.on_path; the heads stay eager modules), the targets {name: GPTlite}
+    and one row per trained draft (parameters, steps, how it was obtained, its validation loss: a model's
+    own; a head's on the token after next). Only the drafts asked for are trained or loaded."""
     base = dict(seed=args.seed, base_sha256=None if args.untrained else files.checkpoint_sha256(
         preset.gptlite_kwargs(), data.vocab, target.state_dict()))
     common = dict(preset=preset, data=data, rebuild=rebuild, seed=args.seed, untrained=args.untrained)
@@ -99,25 +107,26 @@ def build_drafts(target, preset, data, device, args, rebuild):
             distill = training.teacher_loss_fn(target, lambda s, t, targets: distillation_loss(s, t, 2.0, targets, 0.5))
             draft, info = trained(GPTlite(**config).to(device), config, name, stamp=dict(base, steps=args.draft_iters),
                                   steps=args.draft_iters, lr=student.lr, loss_fn=distill, **common)
-            drafters[name] = ("target", ModelDrafter(check_draft(target, draft, name)))
+            drafters[name] = ("target", lambda path, m=check_draft(target, draft, name): ModelDrafter(on_path(m, path)))
         elif name == "lookup":
-            drafters[name], info = ("target", LookupDrafter(args.ngram)), None
+            drafters[name], info = ("target", lambda path: LookupDrafter(args.ngram)), None
         elif name == "early exit":
-            drafters[name], info = ("target", ModelDrafter(early_exit_model(target, args.exit_layers))), None
+            drafters[name], info = ("target", lambda path, m=early_exit_model(target, args.exit_layers): ModelDrafter(
+                on_path(m, path))), None
         elif name == "medusa":
             heads, info = trained(MedusaHeads(d, args.medusa_heads).to(device), dict(d_model=d, heads=args.medusa_heads),
                                   name, stamp=dict(base, steps=args.head_iters), steps=args.head_iters, lr=preset.lr,
                                   loss_fn=medusa_loss_fn(target), evaluate=head_evaluate(
                                       lambda m, x, y: medusa_loss(m, target, x, y), data, preset.seqlen),
                                   batch_size=HEAD_BATCH, **common)
-            drafters[name] = ("target", MedusaDrafter(heads, target))
+            drafters[name] = ("target", lambda path, heads=heads: MedusaDrafter(heads, target))
         elif name == "eagle":
             eagle, info = trained(FeatureHead(d, h, k).to(device), dict(d_model=d, n_heads=h, d_head=k), name,
                                   stamp=dict(base, steps=args.head_iters), steps=args.head_iters, lr=preset.lr,
                                   loss_fn=eagle_loss_fn(target), evaluate=head_evaluate(
                                       lambda m, x, y: feature_loss(m, target, x, y), data, preset.seqlen),
                                   batch_size=HEAD_BATCH, **common)
-            drafters[name] = ("target", FeatureDrafter(eagle, target))
+            drafters[name] = ("target", lambda path, eagle=eagle: FeatureDrafter(eagle, target))
         else:  # mtp: the target's weights and a new MTP module, trained on together
             mtp = GPTlite_MTP(**preset.gptlite_kwargs()).to(device)
             mtp.load_state_dict(target.state_dict(), strict=False)
@@ -125,13 +134,14 @@ def build_drafts(target, preset, data, device, args, rebuild):
                                                                              weight=args.mtp_weight),
                                 steps=args.mtp_steps, lr=preset.lr / 3, loss_fn=mtp_loss_fn(args.mtp_weight), **common)
             targets["mtp model"] = mtp.main_model()  # a plain GPTlite: the model MTP trained, without its module
-            drafters[name] = ("mtp model", FeatureDrafter(mtp.mtp, targets["mtp model"]))
+            drafters[name] = ("mtp model", lambda path, mtp=mtp: FeatureDrafter(mtp.mtp, targets["mtp model"]))
         infos += [info] if info else []
     return drafters, targets, infos
 
 
-def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
-    """Correctness before any timing: {check: ok} and the statistical tests' rows.
+def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed, path="eager"):
+    """Correctness before any timing: {check: ok} and the statistical tests' rows (eager path only: the
+    rule and the sampler are the same code on both paths; the fast path's tokens are checked greedy).
 
     Greedy: for every batch, draft and gamma the tokens equal generate()'s (no cache, the full forward pass
     each step). Sampling: the chi-square test of every draft (one batch of all the samples: rows that
@@ -139,11 +149,18 @@ def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
     sampling (a correct sampler: it must pass) and of the accept-always rule (a wrong one: it must fail)."""
     checks = {}
     for B, prompts in prompts_by_batch.items():
-        expected = {t: generate(m, prompts, n_tokens, m.seqlen) for t, m in targets.items()}
+        expected = {t: generate(m, prompts, n_tokens, m.seqlen) for t, m in targets.items()}  # eager, no cache
+        for t, m in targets.items():  # the baseline of every speedup on this path
+            checks[f"greedy, batch {B}, {path} path: plain decoding of the {t} = generate's"] = torch.equal(
+                plain_generate(on_path(m, path), prompts, n_tokens), expected[t])
         for name, (t, drafter) in drafts.items():
-            same = all(torch.equal(run_once(targets[t], drafter, prompts, n_tokens, g, None, seed)[0], expected[t])
+            on_it = on_path(targets[t], path)
+            same = all(torch.equal(run_once(on_it, drafter, prompts, n_tokens, g, None, seed)[0], expected[t])
                        for g in gammas)
-            checks[f"greedy, batch {B}: {name} tokens = the target's for gamma {gammas[0]}..{gammas[-1]}"] = same
+            checks[f"greedy, batch {B}, {path} path: {name} tokens = the target's for gamma "
+                   f"{gammas[0]}..{gammas[-1]}"] = same
+    if path != "eager":
+        return checks, []
     prompt, g = next(iter(prompts_by_batch.values()))[0, -stat["prompt_len"]:], stat["gamma"]
     control = next(iter(drafts))
     tests = {name: (t, d, accept_draft) for name, (t, d) in drafts.items()}
@@ -166,7 +183,7 @@ def run_checks(targets, drafts, prompts_by_batch, gammas, n_tokens, stat, seed):
     return checks, rows
 
 
-def best_rows(results, batch, decoding):
+def best_rows(results, path, batch, decoding):
     """The main table's rows of one group: plain decoding of each target (the median of its runs beside
     every draft), then each draft at the gamma of its best measured speedup (the first gamma when no TPOT
     could be measured), with the TPOT of the plain runs timed beside it (its speedup's baseline)."""
@@ -174,14 +191,15 @@ def best_rows(results, batch, decoding):
     for target in dict.fromkeys(r["target"] for r in results):
         plain = [r for r in results if r["draft"] == "plain" and r["target"] == target]
         tpots = [r["tpot_ms"] for r in plain if r["tpot_ms"] is not None]
-        rows.append(harness.make_row(f"plain ({target})", batch=batch, decoding=decoding, gamma=None,
+        rows.append(harness.make_row(f"plain ({target})", path=path, batch_size=batch, decoding=decoding, gamma=None,
                                      ttft_ms=iu.median([r["ttft_ms"] for r in plain]),
                                      tpot_ms=iu.median(tpots) if tpots else None,
                                      tokens_per_s=iu.median([r["tokens_per_s"] for r in plain]), speedup=1.0))
     for name in dict.fromkeys(r["draft"] for r in results if r["draft"] != "plain"):
         mine = [r for r in results if r["draft"] == name]
         best = max(mine, key=lambda r: -1 if r["speedup"] is None else r["speedup"])
-        rows.append(harness.make_row(name, batch=batch, decoding=decoding, gamma=best["gamma"], ttft_ms=best["ttft_ms"],
+        rows.append(harness.make_row(name, path=path, batch_size=batch, decoding=decoding, gamma=best["gamma"],
+                                     ttft_ms=best["ttft_ms"],
                                      tpot_ms=best["tpot_ms"], tokens_per_s=best["tokens_per_s"],
                                      **{k: rounded(best[k]) for k in ("plain_tpot_ms", "speedup", "alpha", "tau",
                                                                       "tau_formula", "c", "verify", "speedup_formula",
@@ -191,13 +209,13 @@ def best_rows(results, batch, decoding):
 
 def plain_spread(sweep):
     """How much the machine's speed moved during the run: plain decoding's TPOT, timed beside each draft."""
-    groups = dict.fromkeys((r["batch"], r["decoding"]) for r in sweep)
+    groups = dict.fromkeys((r["path"], r["batch_size"], r["decoding"]) for r in sweep)
     parts = []
-    for batch, decoding in groups:
-        tpots = [r["tpot_ms"] for r in sweep if r["draft"] == "plain" and r["target"] == "target"
-                 and r["batch"] == batch and r["decoding"] == decoding and r["tpot_ms"] is not None]
+    for path, batch, decoding in groups:
+        tpots = [r["tpot_ms"] for r in sweep if r["draft"] == "plain" and r["target"] == "target" and r["path"] == path
+                 and r["batch_size"] == batch and r["decoding"] == decoding and r["tpot_ms"] is not None]
         if tpots:
-            parts.append(f"batch {batch} {decoding} {min(tpots):.2f}-{max(tpots):.2f} ms")
+            parts.append(f"{path} batch {batch} {decoding} {min(tpots):.3f}-{max(tpots):.3f} ms")
     return ("plain decoding's TPOT, timed beside each draft (the machine's speed during the run): "
             + ", ".join(parts))
 
@@ -206,38 +224,43 @@ def rounded(value, digits=3):
     return None if value is None else round(value, digits)
 
 
-def gamma_table(results, gammas, batch, decoding):
+def gamma_table(results, gammas, path, batch, decoding):
     """Measured speedup (and tau) of every draft at every gamma, one row per draft."""
     rows = []
     for name in dict.fromkeys(r["draft"] for r in results if r["draft"] != "plain"):
         by_gamma = {r["gamma"]: r for r in results if r["draft"] == name}
         rows.append(dict(variant=name, **{f"x g={g}": rounded(by_gamma[g]["speedup"], 2) for g in gammas},
                          **{f"tau g={g}": rounded(by_gamma[g]["tau"], 2) for g in gammas[-1:]}))
-    return harness.table(f"speedup over plain decoding by gamma, batch {batch}, {decoding} (and tau at the largest)",
+    return harness.table(f"speedup over plain decoding by gamma, {path} path, batch {batch}, {decoding} (and tau at "
+                         "the largest)",
                          rows)
 
 
 def plot_sweep(sweep, title):
-    """Speedup and tau against gamma at batch 1, greedy: measured (solid) beside the formula (dashed)."""
-    fig, axes = harness.new_figure(2)
-    group = [r for r in sweep if r["batch"] == min(r["batch"] for r in sweep) and r["decoding"] == "greedy"
-             and r["draft"] != "plain"]
-    for i, name in enumerate(dict.fromkeys(r["draft"] for r in group)):
-        mine = [r for r in group if r["draft"] == name]
-        color = f"C{i}"
-        gammas = [r["gamma"] for r in mine]
-        for ax, key in zip(axes, ("speedup", "tau")):
-            ax.plot(gammas, [r[key] for r in mine], marker="o", color=color, label=name)
-            ax.plot(gammas, [r[f"{key}_formula"] for r in mine], linestyle="--", color=color)
-        axes[0].plot(gammas, [r["speedup_formula_verify"] for r in mine], linestyle=":", color=color)
-    axes[0].axhline(1.0, color="gray", linewidth=0.8)
-    batch = min(r["batch"] for r in sweep)
-    axes[0].set(xlabel="gamma (draft tokens per round)", ylabel="speedup over plain decoding",
-                title=f"{title}, batch {batch}, greedy: measured (solid), formula\n(dashed; dotted: with the "
-                      "verification pass's measured cost)")
-    axes[1].set(xlabel="gamma (draft tokens per round)", ylabel="tau (tokens per target call)",
-                title="tokens per target call: measured (solid), formula (dashed)")
-    axes[0].legend(fontsize=8)
+    """At batch 1 (the smallest), greedy: the speedup against gamma on each decode path, and tau, measured
+    (solid) beside the formula (dashed; dotted: with the verification pass's measured cost)."""
+    paths = list(dict.fromkeys(r["path"] for r in sweep))
+    batch = min(r["batch_size"] for r in sweep)
+    fig, axes = harness.new_figure(len(paths) + 1)
+    for ax, path in zip(axes, paths):
+        group = [r for r in sweep if r["path"] == path and r["batch_size"] == batch and r["decoding"] == "greedy"
+                 and r["draft"] != "plain"]
+        for i, name in enumerate(dict.fromkeys(r["draft"] for r in group)):
+            mine = [r for r in group if r["draft"] == name]
+            gammas = [r["gamma"] for r in mine]
+            ax.plot(gammas, [r["speedup"] for r in mine], marker="o", color=f"C{i}", label=name)
+            ax.plot(gammas, [r["speedup_formula"] for r in mine], linestyle="--", color=f"C{i}")
+            ax.plot(gammas, [r["speedup_formula_verify"] for r in mine], linestyle=":", color=f"C{i}")
+            if path == paths[0]:  # tau does not depend on the path (the same tokens)
+                axes[-1].plot(gammas, [r["tau"] for r in mine], marker="o", color=f"C{i}", label=name)
+                axes[-1].plot(gammas, [r["tau_formula"] for r in mine], linestyle="--", color=f"C{i}")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set(xlabel="gamma (draft tokens per round)", ylabel="speedup over plain decoding",
+               title=f"{title}, {path} path, batch {batch}, greedy:\nmeasured (solid), formula (dashed; dotted: "
+                     "with the verify pass's cost)")
+        ax.legend(fontsize=8)
+    axes[-1].set(xlabel="gamma (draft tokens per round)", ylabel="tau (tokens per target call)",
+                 title="tokens per target call: measured (solid), formula (dashed)")
     return fig
 
 
@@ -269,6 +292,7 @@ def parse_args(argv):
     add("--significance", type=harness.float_in(0, 1, low_open=True, high_open=True), default=1e-3,
         help="the chi-square test's significance level")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=40, repeats=3)
+    harness.add_paths_flag(parser)
     args = parser.parse_args(argv)
     drafts = set(args.drafts)
     for flags, needs, names in [(["--draft-iters"], "--drafts distilled or 'distilled small'", {"distilled", "distilled small"}),
@@ -280,6 +304,7 @@ def parse_args(argv):
         harness.check_applies(parser, args, flags, needs, bool(drafts & names))
 
     def check_args(preset):
+        harness.check_paths(parser, args, harness.get_device(args.device))
         if len(set(args.gammas)) != len(args.gammas) or args.gammas != sorted(args.gammas):
             parser.error(f"--gammas must be increasing without repeats, got {args.gammas}")
         if len(set(args.batch_sizes)) != len(args.batch_sizes):
@@ -311,14 +336,15 @@ def parse_args(argv):
 
 
 def headline(rows, stat_rows):
-    """The README's one-glance row: the best measured speedup per batch and decoding, and the sampling check."""
-    def best(batch, decoding):
-        mine = [r for r in rows if r["batch"] == batch and r["decoding"] == decoding and r["gamma"]
-                and r["speedup"] is not None]
+    """The README's one-glance row: the best measured speedup per path, batch and decoding, and the sampling check."""
+    def best(path, batch, decoding):
+        mine = [r for r in rows if (r["path"], r["batch_size"], r["decoding"]) == (path, batch, decoding)
+                and r["gamma"] and r["speedup"] is not None]
         r = max(mine, key=lambda r: r["speedup"], default=None)
         return (f"{decoding} -" if r is None else
                 f"{decoding} {r['variant']} {r['speedup']:.2f}x (gamma {r['gamma']}, alpha {r['alpha']:.2f}, tau {r['tau']:.2f})")
-    batches, decodings = dict.fromkeys(r["batch"] for r in rows), dict.fromkeys(r["decoding"] for r in rows)
+    paths, decodings = dict.fromkeys(r["path"] for r in rows), dict.fromkeys(r["decoding"] for r in rows)
+    batches = dict.fromkeys(r["batch_size"] for r in rows)
     gammas = sorted({r["gamma"] for r in rows if r["gamma"]})
     tests = [r for r in stat_rows if "control" not in r["variant"]]
     control = next(r for r in stat_rows if "accept always" in r["variant"])
@@ -326,7 +352,8 @@ def headline(rows, stat_rows):
     control_p = "too few samples" if p is None else (f"chi-square {control['chi2']:.0f} on {control['dof']} degrees of "
                                                      f"freedom, p {f'{p:.0e}' if p > 0 else 'below 1e-300'}")
     return dict(technique=f"speculative decoding, {len(tests)} drafts, best gamma of {gammas[0]}..{gammas[-1]}",
-                figure="; ".join(f"batch {b}: " + ", ".join(best(b, d) for d in decodings) for b in batches)
+                figure="; ".join(f"{p} batch {b}: " + ", ".join(best(p, b, d) for d in decodings)
+                                 for p in paths for b in batches)
                 + f"; sampling: {sum(r['verdict'] == PASSES for r in tests)} of {len(tests)} drafts "
                   f"keep the target's distribution (chi-square), accept-always rejected ({control_p})")
 
@@ -340,17 +367,26 @@ def main(argv=None):
                for B in args.batch_sizes}
     stat = dict(prompt_len=args.prompt_len, chars=args.stat_chars, temperature=args.temperature, gamma=args.stat_gamma,
                 samples=args.stat_samples, significance=args.significance)
-    checks, stat_rows = run_checks(targets, drafts, prompts, args.gammas, args.n_tokens, stat, args.seed)
+    checks, stat_rows = {}, []
+    for path in args.paths:  # each path with drafters of its own (they hold caches)
+        on_path_checks, rows = run_checks(targets, {name: (t, make(path)) for name, (t, make) in drafts.items()},
+                                          prompts, args.gammas, args.n_tokens, stat, args.seed, path)
+        checks |= on_path_checks
+        stat_rows += rows
     harness.require_checks(checks)  # before anything is timed or written
     rows, sweep, tables = [], [], []
-    for B in args.batch_sizes:
-        for decoding, temperature in (("greedy", None), (f"T={args.temperature:g}", args.temperature)):
-            print(f"timing batch {B}, {decoding}: plain decoding and {len(drafts)} drafts x {len(args.gammas)} gammas")
-            results = measure_group(targets, drafts, prompts[B], args.gammas, args.n_tokens, temperature, device,
-                                    args.repeats, args.seed)
-            rows += best_rows(results, B, decoding)
-            sweep += [dict(r, batch=B, decoding=decoding) for r in results]
-            tables.append(gamma_table(results, args.gammas, B, decoding))
+    for path in args.paths:
+        path_targets = {t: on_path(m, path) for t, m in targets.items()}
+        for B in args.batch_sizes:
+            for decoding, temperature in (("greedy", None), (f"T={args.temperature:g}", args.temperature)):
+                print(f"timing the {path} path, batch {B}, {decoding}: plain decoding and {len(drafts)} drafts x "
+                      f"{len(args.gammas)} gammas")
+                path_drafts = {name: (t, make(path)) for name, (t, make) in drafts.items()}
+                results = measure_group(path_targets, path_drafts, prompts[B], args.gammas, args.n_tokens, temperature,
+                                        device, args.repeats, args.seed)
+                rows += best_rows(results, path, B, decoding)
+                sweep += [dict(r, path=path, batch_size=B, decoding=decoding) for r in results]
+                tables.append(gamma_table(results, args.gammas, path, B, decoding))
     tables += [harness.table("the drafts", infos),
                harness.table(f"sampling check: the first {args.stat_chars} characters after a prompt against the "
                              f"target's exact probabilities (Pearson chi-square, T={args.temperature:g})", stat_rows)]

@@ -5,7 +5,7 @@
 // step (all layers, the head and the greedy argmax) is one function with no operator dispatch, no
 // intermediate tensors and no Python; generate() runs the token loop in C++ as well.
 //
-// The math is the eager model's (lib/fast_decode.py passes its weights, the linear ones transposed):
+// The math is the eager model's (lib/fast_decode.py passes its weights, the linear ones packed in panels):
 // embeddings, per block x += out(attn(ln1(x))), x += W2 relu(W1 ln2(x)), then ln and the head. Only the
 // order of the float sums differs (tests/test_fast_decode.py: logits within 1e-4 of the eager model's,
 // the same greedy tokens). The cache is a StaticKVCache's buffers [L, B, G, S, D], written in place, as
@@ -31,54 +31,47 @@ inline v8 load8(const float* p) {
   return v;
 }
 
-// y[m, n] = b[n] + sum_k x[m, k] Wt[k, n] for MR rows m and the 8 NV columns from n0: the register tile of a
-// matrix product. Per k, NV loads of the weight row serve MR rows of x and each x[m, k] (broadcast) NV
-// vectors: at MR = 4, NV = 4 that is 8 loads for 16 vector multiply-adds, with no horizontal sums
-// (Wt is the transposed weight, [K, N], so eight consecutive outputs are one vector).
-template <int MR, int NV>
-void tile(const float* x, const float* Wt, const float* b, float* y, int64_t K, int64_t N, int64_t n0, bool relu) {
-  v8 acc[MR][NV] = {};
+constexpr int64_t kPanel = 32;  // columns per weight panel: four vectors of eight
+
+// Rows x [MR, K] times one weight panel Wp [K, 32] (columns n0 .. n0+31, zero past N) plus b, into y: the
+// register tile of a matrix product. Per k, four loads of the panel's row serve MR rows of x and each
+// x[m, k] (broadcast) four vectors: at MR = 4 that is 8 loads for 16 vector multiply-adds, with no
+// horizontal sums, and the panel is read in order, once per MR rows.
+template <int MR>
+void panel(const float* x, const float* Wp, const float* b, float* y, int64_t K, int64_t N, int64_t n0, bool relu) {
+  v8 acc[MR][4] = {};
   for (int64_t k = 0; k < K; ++k) {
-    v8 w[NV];
-    for (int j = 0; j < NV; ++j) w[j] = load8(Wt + k * N + n0 + 8 * j);
+    const v8 w0 = load8(Wp + k * kPanel), w1 = load8(Wp + k * kPanel + 8), w2 = load8(Wp + k * kPanel + 16),
+             w3 = load8(Wp + k * kPanel + 24);
     for (int i = 0; i < MR; ++i) {
       const float xi = x[i * K + k];
-      for (int j = 0; j < NV; ++j) acc[i][j] += xi * w[j];
+      acc[i][0] += xi * w0;
+      acc[i][1] += xi * w1;
+      acc[i][2] += xi * w2;
+      acc[i][3] += xi * w3;
     }
   }
+  const int64_t n_cols = std::min(kPanel, N - n0);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j)
-      for (int e = 0; e < 8; ++e) {
-        const float v = acc[i][j][e] + b[n0 + 8 * j + e];
-        y[i * N + n0 + 8 * j + e] = relu && v < 0.f ? 0.f : v;
-      }
-}
-
-// The columns n0 .. n1 of rows x [MR, K]: panels of 32, then of 8, then the last N % 8 one at a time.
-template <int MR>
-void columns(const float* x, const float* Wt, const float* b, float* y, int64_t K, int64_t N, int64_t n0,
-             int64_t n1, bool relu) {
-  int64_t n = n0;
-  for (; n + 32 <= n1; n += 32) tile<MR, 4>(x, Wt, b, y, K, N, n, relu);
-  for (; n + 8 <= n1; n += 8) tile<MR, 1>(x, Wt, b, y, K, N, n, relu);
-  for (; n < n1; ++n)
-    for (int i = 0; i < MR; ++i) {
-      float v = b[n];
-      for (int64_t k = 0; k < K; ++k) v += x[i * K + k] * Wt[k * N + n];
-      y[i * N + n] = relu && v < 0.f ? 0.f : v;
+    for (int64_t c = 0; c < n_cols; ++c) {
+      const float v = acc[i][c / 8][c % 8] + b[n0 + c];
+      y[i * N + n0 + c] = relu && v < 0.f ? 0.f : v;
     }
 }
 
-// y [M, N] = x [M, K] Wt [K, N] + b, then ReLU when asked (nn.Linear with its weight transposed).
-// Threads split the columns in panels of 32; rows of x go four at a time, the rest one by one.
-void linear(const float* x, const float* Wt, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+// y [M, N] = x [M, K] W^T + b, then ReLU when asked: nn.Linear, its weight packed by lib/fast_decode.py
+// into panels of 32 columns, Wp [ceil(N / 32), K, 32] (each panel contiguous: read in order, no cache-set
+// conflicts between rows far apart). Threads split the panels; rows of x go four at a time.
+void linear(const float* x, const float* Wp, const float* b, float* y, int64_t M, int64_t K, int64_t N,
             bool relu = false) {
   const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, M * K));  // >= 64K FLOP per thread
-  at::parallel_for(0, (N + 31) / 32, grain, [&](int64_t p0, int64_t p1) {
-    const int64_t n0 = 32 * p0, n1 = std::min(N, 32 * p1);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) columns<4>(x + m * K, Wt, b, y + m * N, K, N, n0, n1, relu);
-    for (; m < M; ++m) columns<1>(x + m * K, Wt, b, y + m * N, K, N, n0, n1, relu);
+  at::parallel_for(0, (N + kPanel - 1) / kPanel, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* Wpp = Wp + p * K * kPanel;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) panel<4>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
+      for (; m < M; ++m) panel<1>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
+    }
   });
 }
 
@@ -110,8 +103,8 @@ Model make_model(const std::vector<torch::Tensor>& w, int64_t n_heads, double ep
   m.n_layers = (static_cast<int64_t>(w.size()) - 6) / kPerBlock;
   m.d_model = w[0].size(1);
   m.n_heads = n_heads;
-  m.d_head = w[2 + 2].size(1) / n_heads;  // query_proj, transposed: [d_model, H D]
-  m.d_ff = w[2 + 12].size(1);
+  m.d_head = w[2 + 3].size(0) / n_heads;  // query_proj's bias [H D] (the weights are packed)
+  m.d_ff = w[2 + 13].size(0);
   m.vocab = w[w.size() - 1].size(0);  // the head's bias
   m.eps = eps;
   return m;

@@ -11,7 +11,7 @@ compiler (torch.utils.cpp_extension; about a minute, once) and threads follow to
     native.forward_cache(idx, cache)            # logits [B, T, V] through a StaticKVCache, as eager
     generate_fast(model, prompt, n_tokens, seqlen)   # == generate_kvcache(model, prompt, n_tokens, seqlen)
 
-`native_view` shares the model's modules (its linear weights transposed once, a copy: a view made before
+`native_view` shares the model's modules (its linear weights packed once, a copy: a view made before
 the weights change computes the old ones) and keeps the cached interface
 (`hidden_states`, `forward_cache`, a StaticKVCache rolled back with `truncate`), so the speculative
 decoding loop, its drafts and plain decoding run on it unchanged. The math is the eager model's; only
@@ -31,6 +31,7 @@ from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, MultiHeadAttention_
                              kv_cache_view)
 from gptlite_gqa import GPTlite_GQA, MultiHeadAttention_GQA
 from lib.errors import GPTliteError
+from lib.harness import PATHS  # the decode paths a script times its technique on (its --paths)
 
 SOURCE = pathlib.Path(__file__).with_name("fast_decode.cpp")
 MODELS = (GPTlite, GPTlite_KVCache, GPTlite_GQA)  # exactly these classes: a subclass may change the math
@@ -77,12 +78,23 @@ def check_model(model):
                          "use model.float().cpu(), or the compiled rows on a GPU")
 
 
+PANEL = 32  # columns per weight panel of lib/fast_decode.cpp (kPanel)
+
+
+def packed(weight):
+    """nn.Linear's weight [N, K] as lib/fast_decode.cpp reads it: panels of 32 output columns, each [K, 32]
+    and contiguous, the last padded with zeros: [ceil(N / 32), K, 32]."""
+    N, K = weight.shape
+    wt = torch.zeros(K, -(-N // PANEL) * PANEL, dtype=weight.dtype)
+    wt[:, :N] = weight.detach().t()
+    return wt.view(K, -1, PANEL).transpose(0, 1).contiguous()
+
+
 def weight_list(model):
     """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head.
-    Linear weights are transposed copies, [in, out] (eight consecutive outputs are one vector load); the
-    other tensors share the model's storage."""
+    Linear weights are packed copies (packed); the other tensors share the model's storage."""
     def linear(module):
-        return [module.weight.t().contiguous(), module.bias]
+        return [packed(module.weight), module.bias]
 
     w = [model.token_embedding.weight, model.position_embedding.weight]
     for block in model.blocks:
@@ -130,6 +142,13 @@ def native_view(model):
     view.__class__ = GPTlite_Native
     view.__dict__["weights"] = weight_list(model)
     return view
+
+
+def on_path(model, path):
+    """`model` on a decode path: "eager" as it is (PyTorch operators), "fast" as native_view(model)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    return model if path == "eager" else native_view(model)
 
 
 @torch.inference_mode()

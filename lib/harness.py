@@ -179,6 +179,31 @@ def check_applies(parser, args, flags, needs, applies):
                      f"or drop {' and '.join(given)}")
 
 
+PATHS = ("eager", "fast")  # decode paths: PyTorch operators, and lib/fast_decode.py's C++ step
+
+
+def add_paths_flag(parser):
+    """--paths: the decode paths a technique is timed on, side by side (lib/fast_decode.py)."""
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=None,
+                        help="decode paths to time each variant on: eager (PyTorch operators) and fast (the C++ "
+                        "step of lib/fast_decode.py, CPU only; built on first use); default both on a CPU, eager on CUDA")
+
+
+def check_paths(parser, args, device):
+    """--paths checked before any work; its default filled in."""
+    from lib import fast_decode  # not at the top: it imports the models, which import this module
+    args.paths = args.paths or (list(PATHS) if device.type == "cpu" else ["eager"])
+    if len(set(args.paths)) != len(args.paths):
+        parser.error(f"--paths repeats a value: {args.paths}")
+    if "fast" in args.paths and device.type != "cpu":
+        parser.error(f"--paths fast is the C++ decode path of a CPU; this run is on {device}: use --paths eager")
+    if "fast" in args.paths:
+        try:
+            fast_decode.check_compiler()
+        except GPTliteError as error:
+            parser.error(f"--paths fast: {error}")
+
+
 def check_fits(parser, flag, nbytes, what):
     """A size flag bounded by the machine: `parser.error` naming `flag` when `nbytes`, the memory that the
     flag's value makes the script allocate (estimated from the flags, before any work), exceeds what the

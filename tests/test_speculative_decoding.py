@@ -279,15 +279,26 @@ QUICK = ["--preset", "cpu", "--device", "cpu", "--gammas", "1", "2", "--batch-si
          "--prompt-len", "8", "--repeats", "1", "--stat-samples", "200", "--stat-chars", "2"]
 
 
+def test_paths_fast_without_a_compiler_is_a_clear_error_before_any_work(capsys, monkeypatch):
+    from lib import fast_decode
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        msd.main(["--untrained", "--device", "cpu", "--preset", "cpu", "--paths", "fast"])
+    assert e.value.code == 2 and "--paths fast: no C++ compiler" in capsys.readouterr().err
+
+
 def test_main_writes_a_row_per_draft_with_its_speedup(real_data, tmp_path, capsys):
     out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
     msd.main(["--untrained", "--draft-iters", "1", "--head-iters", "1", "--mtp-steps", "1", "--json", str(out_json),
               "--plot", str(out_png)] + QUICK)
     result = json.loads(out_json.read_text())
     names = [r["variant"] for r in result["rows"]]
-    assert names == 2 * 2 * (["plain (target)", "plain (mtp model)"] + msd.DRAFTS)  # batch 1 and 2, greedy and T
+    # eager and fast paths, batch 1 and 2, greedy and T
+    assert names == 2 * 2 * 2 * (["plain (target)", "plain (mtp model)"] + msd.DRAFTS)
+    assert [r["path"] for r in result["rows"]] == [p for p in ("eager", "fast") for _ in range(len(names) // 2)]
     for r in result["rows"]:
-        assert "speedup" in r and r["batch"] in (1, 2)
+        assert "speedup" in r and r["batch_size"] in (1, 2)
         if r["gamma"] is not None and r["tpot_ms"] is not None and r["plain_tpot_ms"] is not None:
             # its own baseline; both TPOTs are rounded to 0.001 ms, so the ratio of the rounded values is
             # only known to within the bounds that rounding leaves (and the speedup is rounded to 0.001 too)
@@ -295,7 +306,8 @@ def test_main_writes_a_row_per_draft_with_its_speedup(real_data, tmp_path, capsy
             assert (p - h) / (t + h) - h <= r["speedup"] <= (p + h) / (t - h) + h
     assert {r["draft"] for r in result["sweep"]} == set(msd.DRAFTS) | {"plain"}
     assert all(r.get("variant") for t in result["tables"] for r in t["rows"])  # every extra row names its draft
-    assert all(ok for ok in result["checks"].values()) and len(result["checks"]) >= 2 * 7
+    assert all(ok for ok in result["checks"].values()) and len(result["checks"]) >= 2 * 2 * 9
+    assert sum("fast path" in check for check in result["checks"]) == 2 * 9  # 7 drafts and 2 plain, per batch
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
