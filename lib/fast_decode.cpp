@@ -61,7 +61,7 @@ void panel(const float* x, const float* Wp, const float* b, float* y, int64_t K,
 
 // y [M, N] = x [M, K] W^T + b, then ReLU when asked: nn.Linear, its weight packed by lib/fast_decode.py
 // into panels of 32 columns, Wp [ceil(N / 32), K, 32] (each panel contiguous: read in order, no cache-set
-// conflicts between rows far apart). Threads split the panels; rows of x go four at a time.
+// conflicts between rows far apart). Threads split the panels; rows of x go four at a time, the rest as one tile.
 void linear(const float* x, const float* Wp, const float* b, float* y, int64_t M, int64_t K, int64_t N,
             bool relu = false) {
   const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, M * K));  // >= 64K FLOP per thread
@@ -70,7 +70,10 @@ void linear(const float* x, const float* Wp, const float* b, float* y, int64_t M
       const float* Wpp = Wp + p * K * kPanel;
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) panel<4>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
-      for (; m < M; ++m) panel<1>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
+      // the last 1 to 3 rows in one tile too: a verification pass of 2 or 3 tokens reads the panel once
+      if (M - m == 3) panel<3>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
+      if (M - m == 2) panel<2>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
+      if (M - m == 1) panel<1>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
     }
   });
 }
