@@ -358,6 +358,24 @@ def headline(rows, stat_rows):
                   f"keep the target's distribution (chi-square), accept-always rejected ({control_p})")
 
 
+def measure_paths(targets, drafts, prompts, args, device):
+    """Every path, batch and decoding (lib/speculative.measure_group): the main rows, the sweep, the gamma tables."""
+    rows, sweep, tables = [], [], []
+    for path in args.paths:
+        path_targets = {t: on_path(m, path) for t, m in targets.items()}
+        for B in args.batch_sizes:
+            for decoding, temperature in (("greedy", None), (f"T={args.temperature:g}", args.temperature)):
+                print(f"timing the {path} path, batch {B}, {decoding}: plain decoding and {len(drafts)} drafts x "
+                      f"{len(args.gammas)} gammas")
+                path_drafts = {name: (t, make(path)) for name, (t, make) in drafts.items()}  # fresh caches
+                results = measure_group(path_targets, path_drafts, prompts[B], args.gammas, args.n_tokens, temperature,
+                                        device, args.repeats, args.seed)
+                rows += best_rows(results, path, B, decoding)
+                sweep += [dict(r, path=path, batch_size=B, decoding=decoding) for r in results]
+                tables.append(gamma_table(results, args.gammas, path, B, decoding))
+    return rows, sweep, tables
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     target = iu.load_model(GPTlite, preset, device, data, untrained=args.untrained, seed=args.seed)
@@ -374,19 +392,7 @@ def main(argv=None):
         checks |= on_path_checks
         stat_rows += rows
     harness.require_checks(checks)  # before anything is timed or written
-    rows, sweep, tables = [], [], []
-    for path in args.paths:
-        path_targets = {t: on_path(m, path) for t, m in targets.items()}
-        for B in args.batch_sizes:
-            for decoding, temperature in (("greedy", None), (f"T={args.temperature:g}", args.temperature)):
-                print(f"timing the {path} path, batch {B}, {decoding}: plain decoding and {len(drafts)} drafts x "
-                      f"{len(args.gammas)} gammas")
-                path_drafts = {name: (t, make(path)) for name, (t, make) in drafts.items()}
-                results = measure_group(path_targets, path_drafts, prompts[B], args.gammas, args.n_tokens, temperature,
-                                        device, args.repeats, args.seed)
-                rows += best_rows(results, path, B, decoding)
-                sweep += [dict(r, path=path, batch_size=B, decoding=decoding) for r in results]
-                tables.append(gamma_table(results, args.gammas, path, B, decoding))
+    rows, sweep, tables = measure_paths(targets, drafts, prompts, args, device)
     tables += [harness.table("the drafts", infos),
                harness.table(f"sampling check: the first {args.stat_chars} characters after a prompt against the "
                              f"target's exact probabilities (Pearson chi-square, T={args.temperature:g})", stat_rows)]
