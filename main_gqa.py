@@ -9,7 +9,9 @@ number of heads (n_heads groups: MHA, 1 group: MQA, GQA in between) the script c
 multi-head checkpoint by mean pooling the key and value heads of each group, measures the validation
 loss, uptrains the converted model with the same short budget (about 5% of the checkpoint's training
 steps; MHA gets it too, as the control), and measures again. It then times greedy generation with the
-KV cache at a large batch, where the cache's reads dominate a decoding step.
+KV cache at a large batch, where the cache's reads dominate a decoding step, on each decode path of
+--paths: `eager` (PyTorch operators) and `fast` (lib/fast_decode.py, one C++ call per step, CPU only),
+where the step's time is the bytes and FLOPs that fewer key/value heads save, not operator overhead.
 
 Checks first: the conversion with n_groups == n_heads gives exactly the multi-head model's logits and
 tokens, and every variant's cached decoding gives the logits of its full forward pass. Nothing is
@@ -25,7 +27,7 @@ from gptlite import GPTlite, generate
 from gptlite_gqa import convert_mha_to_gqa  # noqa: F401 (the post's listing: main_gqa.convert_mha_to_gqa)
 from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
-from lib import attention_summary, corpus, files, harness, training
+from lib import attention_summary, corpus, fast_decode, files, harness, training
 
 
 @torch.inference_mode()
@@ -59,16 +61,27 @@ def convert_and_uptrain(base, data, preset, window, prompts, n_tokens, steps, lr
     return models, rows, checks
 
 
+def on_first_path(rows):
+    """The rows of the first decode path: one per variant (the loss columns are the same on every path)."""
+    return [r for r in rows if r["path"] == rows[0]["path"]]
+
+
 def plot_results(rows, preset, device):
     fig, (ax_loss, ax_time) = harness.new_figure(2)
-    kv = [r["kv_cache_mb"] for r in rows]
-    ax_loss.plot(kv, [r["loss_converted"] for r in rows], marker="o", linestyle="--", label="converted")
-    ax_loss.plot(kv, [r["val_loss"] for r in rows], marker="o", label="uptrained")
-    ax_time.plot(kv, [math.nan if r["tpot_ms"] is None else r["tpot_ms"] for r in rows], marker="o")
-    for r in rows:
+    first = on_first_path(rows)
+    kv = [r["kv_cache_mb"] for r in first]
+    ax_loss.plot(kv, [r["loss_converted"] for r in first], marker="o", linestyle="--", label="converted")
+    ax_loss.plot(kv, [r["val_loss"] for r in first], marker="o", label="uptrained")
+    for r in first:
         ax_loss.annotate(r["variant"], (r["kv_cache_mb"], r["val_loss"]))
-        if r["tpot_ms"] is not None:  # None: timing noise left no time per token to show
-            ax_time.annotate(r["variant"], (r["kv_cache_mb"], r["tpot_ms"]))
+    for path in dict.fromkeys(r["path"] for r in rows):
+        mine = [r for r in rows if r["path"] == path]
+        ax_time.plot(kv, [math.nan if r["tpot_ms"] is None else r["tpot_ms"] for r in mine], marker="o",
+                     label=f"{path} path")
+        for r in mine:
+            if r["tpot_ms"] is not None:  # None: timing noise left no time per token to show
+                ax_time.annotate(r["variant"], (r["kv_cache_mb"], r["tpot_ms"]))
+    ax_time.legend()
     ax_loss.set(xlabel="KV cache at a full window (MB)", ylabel="validation loss (nats/char)",
                 title=f"GQA conversion (preset {preset.name})")
     ax_loss.legend()
@@ -89,9 +102,11 @@ def parse_args(argv):
         help="also save the uptrained GQA model there (default: not saved); load it with gptlite_gqa.load_gqa")
     add("--save-groups", type=harness.int_at_least(1), default=None,
         help="group count of the saved model (default: the smallest above 1 that is not MHA)")
+    harness.add_paths_flag(parser)
     args = parser.parse_args(argv)
 
     def check_args(preset):
+        harness.check_paths(parser, args, harness.get_device(args.device))
         if args.save_groups is not None and args.save_groups not in group_counts(preset.n_heads):
             parser.error(f"--save-groups must divide n_heads={preset.n_heads}: one of {group_counts(preset.n_heads)}")
         check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
@@ -106,19 +121,30 @@ def check_sizes(parser, preset, batch_size, prompt_len, n_tokens):
                        f"{n_tokens} new tokens for each of {batch_size} prompts")
 
 
+def decode_fns(models, prompts, seqlen, paths):
+    """{(variant, path): generate(n)}: greedy decoding with the KV cache on each decode path."""
+    generate_on = {"eager": generate_kvcache, "fast": fast_decode.generate_fast}
+    return {(name, path): (lambda n, m=model, g=generate_on[path]: g(m, prompts, n, seqlen))
+            for path in paths for name, model in models.items()}
+
+
 def headline(rows, steps):
     """The README's one-glance row, from this run's rows."""
-    mha, others = rows[0], rows[1:]
+    first = on_first_path(rows)
+    mha, others = first[0], first[1:]
     listed = lambda key, rows, fmt="{}": ", ".join(  # noqa: E731
         f"{r['variant']} {'-' if r[key] is None else fmt.format(r[key])}" for r in rows)
+    tpot = "; ".join(f"{path} {listed('tpot_ms', [r for r in rows if r['path'] == path], '{:.2f}')} ms"
+                     for path in dict.fromkeys(r["path"] for r in rows))
     return dict(technique=f"GQA and MQA, converted from MHA, {steps} uptraining steps",
                 figure=f"KV cache / MHA's: {listed('kv_vs_mha', others)}; TPOT at batch {mha['batch_size']}: "
-                       f"{listed('tpot_ms', rows, '{:.1f}')} ms; loss against MHA: "
-                       f"{listed('loss_vs_mha', others, '{:+.4f}')}")
+                       f"{tpot}; loss against MHA: {listed('loss_vs_mha', others, '{:+.4f}')}")
 
 
 def attention_methods(rows, steps, seqlen):
-    """The summary of attention methods' rows (lib/attention_summary.py): each grouped variant against MHA."""
+    """The summary of attention methods' rows (lib/attention_summary.py): each grouped variant against MHA,
+    timed on the first decode path."""
+    rows = on_first_path(rows)
     mha = rows[0]
     return [attention_summary.method_row(
         r["variant"], False, f"val loss {r['loss_vs_mha']:+.4f} after uptraining ({r['loss_converted'] - mha['loss_converted']:+.4f} "
@@ -144,11 +170,15 @@ def main(argv=None):
                f"{'yes, logits and tokens' if checks['MHA conversion exact'] else 'NO'}",
                "cached decoding equals the full forward pass for " + ", ".join(
                    f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items() if name != "MHA conversion exact")]
+    if "fast" in args.paths:  # the uptrained models on the C++ path: eager's tokens
+        checks |= {f"{name}: fast path tokens = eager's": torch.equal(
+            fast_decode.generate_fast(m, prompts[:8], args.n_tokens, preset.seqlen),
+            generate_kvcache(m, prompts[:8], args.n_tokens, preset.seqlen)) for name, m in models.items()}
     harness.require_checks(checks)  # before anything is timed or written
 
-    fns = {name: (lambda n, m=model: generate_kvcache(m, prompts, n, preset.seqlen)) for name, model in models.items()}
-    timings = iu.generation_figures(fns, args.n_tokens, args.batch_size, device, args.repeats)
-    rows = [{**row, **timings[row["variant"]]} for row in rows]
+    timings = iu.generation_figures(decode_fns(models, prompts, preset.seqlen, args.paths), args.n_tokens,
+                                    args.batch_size, device, args.repeats)
+    rows = [{**row, "path": path, **timings[row["variant"], path]} for path in args.paths for row in rows]
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; KV cache at a full window of {preset.seqlen} tokens")

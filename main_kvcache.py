@@ -8,6 +8,10 @@ Blog section: "KV cache". Without a cache every new token re-encodes the last `s
 one, each step encodes only the new token and attends to the stored keys and values. The dynamic
 cache grows with torch.cat; the static one is preallocated and written in place (gpt-fast).
 
+Each variant runs on the decode paths of --paths, side by side: `eager` (PyTorch operators) and `fast`
+(lib/fast_decode.py, the whole step as one C++ call, CPU only), where no cache and the static cache are
+timed again: eager's per-operator overhead hides part of what a cache saves, the fast path shows it.
+
 The script checks that both caches produce exactly the tokens of generation without a cache while
 the sequence fits the window (the first seqlen - prompt_len + 1 new tokens); past it the post's cache
 keeps the last seqlen entries (positions frozen at seqlen-1), an approximation of the sliding window,
@@ -20,7 +24,7 @@ import torch
 import inference_utils as iu
 from gptlite import GPTlite, generate
 from gptlite_kvcache import StaticKVCache, generate_kvcache
-from lib import corpus, harness, serving, training
+from lib import corpus, fast_decode, harness, serving, training
 
 
 def parse_args(argv):
@@ -30,12 +34,14 @@ def parse_args(argv):
     harness.add_sweep_flags(parser, "numbers of prompts generated together, a row group each",
                             "also time TPOT against the number of generated tokens (8 to 2 x --n-tokens) at each "
                             "batch size: the JSON's tpot_sweep, the curves that --plot draws")
+    harness.add_paths_flag(parser)
     args = parser.parse_args(argv)
     return (args, *harness.setup(args, parser, lambda preset: check_args(args, parser, preset)))
 
 
 def check_args(args, parser, preset):
     harness.check_sweep_flags(parser, args, "the TPOT sweep")
+    harness.check_paths(parser, args, harness.get_device(args.device))
     batch = max(args.batch_sizes)  # no cache: a forward over the window; a cache: the window's keys and values
     harness.check_fits(parser, "--batch-sizes", 2 * serving.forward_bytes(preset, batch),
                        f"a batch of {batch} through the model")
@@ -44,8 +50,8 @@ def check_args(args, parser, preset):
                        f"{batch} sequences of {length} tokens")
 
 
-def make_variants(base, cached, prompts, seqlen):
-    """The three variants as functions of the number of new tokens, on the same prompts."""
+def make_variants(base, cached, prompts, seqlen, paths):
+    """The variants as functions of the number of new tokens, on the same prompts: {(name, path): fn}."""
     static_cache = StaticKVCache.for_model(cached, prompts.shape[0], seqlen)  # allocated once, reused
 
     def static(n, new_cache=False):  # new_cache: allocate inside the call, so that memory counts it
@@ -53,22 +59,25 @@ def make_variants(base, cached, prompts, seqlen):
         cache.reset()
         return generate_kvcache(cached, prompts, n, seqlen, kv_cache=cache)
 
-    fns = {"no cache": lambda n: generate(base, prompts, n, seqlen),
-           "dynamic KV cache": lambda n: generate_kvcache(cached, prompts, n, seqlen),
-           "static KV cache": static}
-    return fns, static_cache
+    fns = {("no cache", "eager"): lambda n: generate(base, prompts, n, seqlen),
+           ("dynamic KV cache", "eager"): lambda n: generate_kvcache(cached, prompts, n, seqlen),
+           ("static KV cache", "eager"): static}
+    if "fast" in paths:  # the C++ pass: no cache re-encodes the window, the static cache is written in place
+        fns[("no cache", "fast")] = lambda n: fast_decode.generate_no_cache(cached, prompts, n, seqlen)
+        fns[("static KV cache", "fast")] = lambda n, new_cache=False: fast_decode.generate_fast(cached, prompts, n, seqlen)
+    return {key: fn for key, fn in fns.items() if key[1] in paths}, static_cache
 
 
-def check_batch(fns, prompts, n_tokens, seqlen):
+def check_batch(fns, reference, prompts, n_tokens, seqlen):
     """Correctness first: each variant's tokens [B, P + n_tokens] on the batch, the fraction of the tokens
-    past the window that equal no-cache's, and {check name: the in-window tokens equal no-cache's}."""
-    tokens = {name: fn(n_tokens) for name, fn in fns.items()}
+    past the window that equal the reference's (eager generation without a cache), and {check name: the
+    in-window tokens equal the reference's}."""
+    tokens = {key: fn(n_tokens) for key, fn in fns.items()}
     in_window = prompts.shape[1] + min(seqlen - prompts.shape[1] + 1, n_tokens)  # prompt + new tokens that fit
-    reference = tokens["no cache"]
     checks, after = {}, {}
     for name in fns:
-        checks[f"{name} (batch {prompts.shape[0]}): tokens equal generation without a cache within the window"] = \
-            torch.equal(tokens[name][:, :in_window], reference[:, :in_window])
+        checks[f"{name[0]}, {name[1]} path (batch {prompts.shape[0]}): tokens equal generation without a cache "
+               "within the window"] = torch.equal(tokens[name][:, :in_window], reference[:, :in_window])
         after[name] = (f"{(tokens[name][:, in_window:] == reference[:, in_window:]).float().mean().item():.0%}"
                        if tokens[name].shape[1] > in_window else "-")
     return tokens, after, checks
@@ -79,22 +88,22 @@ def measure_batch(base, cached, batch, n_tokens, seqlen, device, repeats, val_lo
     prompts, fns, static_cache, tokens, after = batch
     timings = iu.compare_generation(fns, n_tokens, prompts.shape[0], device, warmup=1, repeats=repeats)
     rows = []
-    for name, fn in fns.items():
+    for (name, path), fn in fns.items():
         memory_run = lambda: fn(n_tokens)  # noqa: E731
         if name == "no cache":
             kv_bytes = None
         elif name == "static KV cache":
-            kv_bytes = iu.kv_cache_bytes(static_cache)  # preallocated for seqlen
+            kv_bytes = iu.kv_cache_bytes(static_cache)  # preallocated for seqlen (the fast path's too)
             memory_run = lambda: fn(n_tokens, new_cache=True)  # noqa: E731  (so that its buffers count)
         else:  # the dynamic cache at the end of generation holds the last min(length, seqlen) tokens
-            full = tokens[name][:, :-1]  # every token but the last has its keys and values cached
+            full = tokens[name, path][:, :-1]  # every token but the last has its keys and values cached
             with torch.inference_mode():
                 kv_bytes = iu.kv_cache_bytes(cached(full[:, -seqlen:])[1])
         rows.append(harness.make_row(
-            name, batch_size=prompts.shape[0], **timings[name],
+            name, path=path, batch_size=prompts.shape[0], **timings[name, path],
             peak_mem_mb=iu.peak_memory_mb(memory_run, device),
             kv_cache_mb=kv_bytes / 2**20 if kv_bytes is not None else None,
-            val_loss=val_losses[name], same_in_window="yes", same_after_window=after[name]))
+            val_loss=val_losses[name], same_in_window="yes", same_after_window=after[name, path]))
     return rows
 
 
@@ -104,40 +113,46 @@ def tpot_sweep(fns_by_batch, n_tokens, device, repeats):
     sweep = {}
     for batch_size, fns in fns_by_batch.items():
         by_count = [iu.compare_generation(fns, n, batch_size, device, repeats=repeats) for n in counts]
-        sweep[batch_size] = {name: {"n_tokens": counts, "tpot_ms": [r[name]["tpot_ms"] for r in by_count]}
-                             for name in fns}
+        sweep[batch_size] = {f"{name}, {path}": {"n_tokens": counts, "tpot_ms": [r[name, path]["tpot_ms"]
+                                                                                  for r in by_count]}
+                             for name, path in fns}
     return sweep
 
 
 def ratio_lines(rows, batch_sizes):
-    """TPOT of no cache / dynamic cache and static / dynamic at each batch size ('-' if unmeasurable)."""
+    """Per path and batch size: TPOT of no cache / the fastest cache, and static / dynamic where both ran."""
+    tpot = {(r["variant"], r["path"], r["batch_size"]): r["tpot_ms"] for r in rows}
     lines = []
-    for batch_size in batch_sizes:
-        no_cache, dynamic, static = (r["tpot_ms"] for r in rows if r["batch_size"] == batch_size)
-        speedup, static_ratio = iu.ratio(no_cache, dynamic), iu.ratio(static, dynamic)
-        if speedup is None or static_ratio is None:  # a difference of two medians that noise swallowed
-            lines.append(f"batch {batch_size}: TPOT too small to measure against timing noise; raise --n-tokens "
-                         "or --repeats")
-        else:
-            lines.append(f"batch {batch_size}: TPOT no cache / dynamic = {speedup:.2f}x, "
-                         f"static / dynamic = {static_ratio:.2f}")
+    for path in dict.fromkeys(r["path"] for r in rows):
+        for batch_size in batch_sizes:
+            caches = [c for c in ("dynamic KV cache", "static KV cache") if (c, path, batch_size) in tpot]
+            figures = [tpot["no cache", path, batch_size]] + [tpot[c, path, batch_size] for c in caches]
+            if any(f is None for f in figures):  # a difference of two medians that noise swallowed
+                lines.append(f"{path} path, batch {batch_size}: TPOT too small to measure against timing noise; "
+                             "raise --n-tokens or --repeats")
+                continue
+            best = min(caches, key=lambda c: tpot[c, path, batch_size])
+            line = (f"{path} path, batch {batch_size}: TPOT no cache / {best} = "
+                    f"{figures[0] / tpot[best, path, batch_size]:.2f}x")
+            if len(caches) == 2:
+                line += f", static / dynamic = {figures[2] / figures[1]:.2f}"
+            lines.append(line)
     return lines
 
 
 def headline(rows):
-    """The README's one-glance row, from this run's rows: the TPOT ratios at each batch size."""
-    tpot = {(r["variant"], r["batch_size"]): r["tpot_ms"] for r in rows}
+    """The README's one-glance row, from this run's rows: no cache / static cache per path and batch size."""
+    tpot = {(r["variant"], r["path"], r["batch_size"]): r["tpot_ms"] for r in rows}
     batches = sorted({r["batch_size"] for r in rows}, reverse=True)
 
-    def x(a, b, fmt="{:.1f}x"):  # '-' where either could not be measured
-        value = iu.ratio(a, b)
-        return "-" if value is None else fmt.format(value)
+    def x(path, b):  # '-' where either could not be measured
+        value = iu.ratio(tpot["no cache", path, b], tpot["static KV cache", path, b])
+        return "-" if value is None else f"{value:.1f}x"
 
     return {"technique": "KV cache, dynamic and static",
-            "figure": "TPOT no cache / dynamic cache: " + ", ".join(
-                f"{x(tpot['no cache', b], tpot['dynamic KV cache', b])} at batch {b}" for b in batches)
-            + "; static / dynamic: " + ", ".join(x(tpot["static KV cache", b], tpot["dynamic KV cache", b], "{:.2f}")
-                                                 for b in batches) + "; the same tokens within the window"}
+            "figure": "TPOT no cache / static cache: " + "; ".join(
+                f"{path} " + ", ".join(f"{x(path, b)} at batch {b}" for b in batches)
+                for path in dict.fromkeys(r["path"] for r in rows)) + "; the same tokens within the window"}
 
 
 def plot_tpot_sweep(sweep, preset, device):
@@ -160,8 +175,9 @@ def main(argv=None):
     batches, checks = {}, {}
     for batch_size in args.batch_sizes:  # correctness first, every batch, before anything is timed
         prompts = corpus.sample_prompts(data, batch_size, args.prompt_len, seed=args.seed, device=device)
-        fns, static_cache = make_variants(base, cached, prompts, seqlen)
-        tokens, after, batch_checks = check_batch(fns, prompts, args.n_tokens, seqlen)
+        fns, static_cache = make_variants(base, cached, prompts, seqlen, args.paths)
+        reference = generate(base, prompts, args.n_tokens, seqlen)  # eager, no cache: the reference
+        tokens, after, batch_checks = check_batch(fns, reference, prompts, args.n_tokens, seqlen)
         batches[batch_size], checks = (prompts, fns, static_cache, tokens, after), checks | batch_checks
     harness.require_checks(checks)
 

@@ -161,3 +161,16 @@ def generate_fast(model, prompt, n_tokens, seqlen):
     cache = StaticKVCache.for_model(model, prompt.shape[0], seqlen)  # GQA: its groups' heads
     return ext.generate(weight_list(model), model.config.n_heads, model.ln.eps, prompt.contiguous(), n_tokens,
                         cache.keys, cache.values)
+
+
+@torch.inference_mode()
+def generate_no_cache(model, prompt, n_tokens, seqlen):
+    """gptlite.generate on the C++ pass: every step re-encodes the last seqlen tokens from an empty cache
+    (the baseline of a KV cache on the fast path). Returns [B, P + n_tokens], as generate."""
+    check_generation_args(model, prompt, n_tokens, seqlen)
+    native, seq = native_view(model), prompt
+    for _ in range(n_tokens):
+        window = seq[:, -seqlen:]  # [B, <= seqlen]
+        logits = native.forward_cache(window, StaticKVCache.for_model(model, prompt.shape[0], seqlen))
+        seq = torch.cat([seq, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return seq

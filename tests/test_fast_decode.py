@@ -165,3 +165,22 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None if name == "ninja" else f"/usr/bin/{name}")
     with pytest.raises(GPTliteError, match="ninja"):
         fast_decode.check_compiler()
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa 2 groups"])
+def test_generate_no_cache_equals_generate_within_and_past_the_window(name):
+    """The baseline of a cache on the fast path: every step a fresh pass over the last seqlen tokens, as
+    gptlite.generate (past the window both re-encode the last seqlen tokens from position 0)."""
+    from gptlite import generate
+    model = MODELS[name]()
+    prompt = tokens(2, 5, seed=9)
+    with torch.no_grad():
+        expected = generate(model, prompt, 20, 8) if type(model) is GPTlite else None
+    if expected is None:  # a GQA model: its full forward pass, window by window
+        seq = prompt
+        for _ in range(20):
+            with torch.no_grad():
+                logits = model(seq[:, -8:])[0]
+            seq = torch.cat([seq, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+        expected = seq
+    assert torch.equal(fast_decode.generate_no_cache(model, prompt, 20, 8), expected)

@@ -191,7 +191,7 @@ def positive_or_none(value):
 
 def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path, capsys, one_batch_validation,
                                                               unmeasurable_tpot):
-    unmeasurable_tpot("MQA")
+    unmeasurable_tpot(("MQA", "eager"))
     out_json, out_png, out_ckpt = tmp_path / "gqa.json", tmp_path / "gqa.png", tmp_path / "gqa.pt"
     main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                    "--n-tokens", "4", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png),
@@ -202,10 +202,16 @@ def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path
     result = json.loads(out_json.read_text())
     assert result["script"] == "main_gqa.py" and result["untrained"] and result["uptrain_steps"] == 1
     assert result["saved"] == str(out_ckpt)
-    assert all(result["checks"].values()) and set(result["checks"]) == {"MHA", "GQA-2", "MQA", "MHA conversion exact"}
-    rows = result["rows"]
+    assert all(result["checks"].values()) and set(result["checks"]) == {
+        "MHA", "GQA-2", "MQA", "MHA conversion exact"} | {f"{v}: fast path tokens = eager's" for v in ("MHA", "GQA-2", "MQA")}
+    assert [(r["variant"], r["path"]) for r in result["rows"]] == [
+        (v, p) for p in ("eager", "fast") for v in ("MHA", "GQA-2", "MQA")]
+    fast = result["rows"][3:]
+    rows = result["rows"][:3]
     assert [(r["variant"], r["n_groups"], r["kv_vs_mha"]) for r in rows] == [
         ("MHA", 4, 1.0), ("GQA-2", 2, 0.5), ("MQA", 1, 0.25)]
+    assert [r["val_loss"] for r in fast] == [r["val_loss"] for r in rows]  # the same models, timed on the C++ path
+    assert all(r["ttft_ms"] > 0 and positive_or_none(r["tpot_ms"]) for r in fast)
     p = presets.PRESETS["cpu"]
     assert rows[0]["kv_cache_mb"] == pytest.approx(2 * p.n_layers * 2 * p.n_heads * p.seqlen * p.d_head * 4 / 2**20)
     for r in rows:
@@ -283,4 +289,5 @@ def test_main_gqa_json_has_its_headline(real_data, tmp_path, one_batch_validatio
                    "--n-tokens", "2", "--repeats", "1", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["headline"]["technique"] == "GQA and MQA, converted from MHA, 1 uptraining steps"
-    assert result["headline"]["figure"].startswith("KV cache / MHA's: GQA-2 0.5, MQA 0.25; TPOT at batch 2: MHA ")
+    assert result["headline"]["figure"].startswith("KV cache / MHA's: GQA-2 0.5, MQA 0.25; TPOT at batch 2: eager MHA ")
+    assert "; fast MHA " in result["headline"]["figure"]

@@ -17,14 +17,18 @@ def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, c
     assert "static KV cache" in printed and "meaningless" in printed
     result = json.loads(out_json.read_text())
     assert result["script"] == "main_kvcache.py" and result["preset"] == "cpu" and result["untrained"]
-    assert [(r["variant"], r["batch_size"]) for r in result["rows"]] == [
-        (v, b) for b in (1, 2) for v in ("no cache", "dynamic KV cache", "static KV cache")]
+    assert [(r["variant"], r["path"], r["batch_size"]) for r in result["rows"]] == [
+        (v, p, b) for b in (1, 2) for v, p in (("no cache", "eager"), ("dynamic KV cache", "eager"),
+                                               ("static KV cache", "eager"), ("no cache", "fast"),
+                                               ("static KV cache", "fast"))]
     assert all(r["same_in_window"] == "yes" for r in result["rows"])
     assert result["tokens_in_window"] == 128 - 64 + 1
     p = presets.PRESETS["cpu"]
     for batch_size in (1, 2):
-        rows = {r["variant"]: r for r in result["rows"] if r["batch_size"] == batch_size}
+        rows = {r["variant"]: r for r in result["rows"] if r["batch_size"] == batch_size and r["path"] == "eager"}
+        fast = {r["variant"]: r for r in result["rows"] if r["batch_size"] == batch_size and r["path"] == "fast"}
         full = batch_size * p.n_layers * 2 * p.n_heads * p.seqlen * p.d_head * 4 / 2**20  # float32
+        assert fast["static KV cache"]["kv_cache_mb"] == pytest.approx(full) and fast["no cache"]["kv_cache_mb"] is None
         assert rows["static KV cache"]["kv_cache_mb"] == pytest.approx(full)
         assert rows["dynamic KV cache"]["kv_cache_mb"] == pytest.approx(full)  # 64 + 69 > seqlen: full
         assert rows["no cache"]["kv_cache_mb"] is None
@@ -36,8 +40,8 @@ def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, c
     assert set(result["tpot_sweep"]) == {"1", "2"}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["headline"]["technique"] == "KV cache, dynamic and static"
-    assert result["headline"]["figure"].startswith("TPOT no cache / dynamic cache: ")
-    assert " at batch 2, " in result["headline"]["figure"] and "the same tokens within the window" in printed
+    assert result["headline"]["figure"].startswith("TPOT no cache / static cache: eager ")
+    assert "; fast " in result["headline"]["figure"] and " at batch 2, " in result["headline"]["figure"] and "the same tokens within the window" in printed
 
 
 def without_timings(value):
@@ -70,7 +74,7 @@ def test_tokens_that_differ_stop_the_script_before_anything_is_timed_or_written(
     generate_kvcache = main_kvcache.generate_kvcache
     monkeypatch.setattr(main_kvcache, "generate_kvcache", wrong)
     monkeypatch.setattr(iu, "compare_generation", lambda *a, **k: pytest.fail("nothing is timed after a failed check"))
-    with pytest.raises(main_kvcache.harness.GPTliteError, match="dynamic KV cache \\(batch 1\\): tokens equal"):
+    with pytest.raises(main_kvcache.harness.GPTliteError, match="dynamic KV cache, eager path \\(batch 1\\): tokens equal"):
         main_kvcache.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--prompt-len", "8", "--n-tokens", "4",
                            "--batch-sizes", "1", "--repeats", "1", "--json", str(tmp_path / "r.json")])
     assert not (tmp_path / "r.json").exists()
