@@ -124,8 +124,8 @@ def check_sizes(parser, preset, batch_size, prompt_len, n_tokens):
 def decode_fns(models, prompts, seqlen, paths):
     """{(variant, path): generate(n)}: greedy decoding with the KV cache on each decode path."""
     generate_on = {"eager": generate_kvcache, "fast": fast_decode.generate_fast}
-    return {(name, path): (lambda n, m=model, g=generate_on[path]: g(m, prompts, n, seqlen))
-            for path in paths for name, model in models.items()}
+    return {(name, path): (lambda n, m=fast_decode.on_path(model, path), g=generate_on[path]: g(m, prompts, n, seqlen))
+            for path in paths for name, model in models.items()}  # on_path: the weights packed once, here
 
 
 def headline(rows, steps):

@@ -135,7 +135,9 @@ class GPTlite_Native(GPTlite_KVCache):
 def native_view(model):
     """`model` (see check_model) as a GPTlite_Native that shares its modules: the cached interface of
     GPTlite_KVCache, computed by lib/fast_decode.cpp on the weights as they are now (weight_list).
-    Builds the extension if needed."""
+    Builds the extension if needed. A GPTlite_Native is returned as it is."""
+    if type(model) is GPTlite_Native:
+        return model
     check_model(model)
     extension()
     view = copy.copy(kv_cache_view(model))
@@ -154,21 +156,23 @@ def on_path(model, path):
 @torch.inference_mode()
 def generate_fast(model, prompt, n_tokens, seqlen):
     """Greedy decoding with a KV cache, the whole loop in C++: generate_kvcache's arguments and result,
-    the prompt followed by the n_tokens new tokens [B, P + n_tokens] (past seqlen, the window slides)."""
-    check_model(model)
-    check_generation_args(model, prompt, n_tokens, seqlen)
-    ext = extension()
-    cache = StaticKVCache.for_model(model, prompt.shape[0], seqlen)  # GQA: its groups' heads
-    return ext.generate(weight_list(model), model.config.n_heads, model.ln.eps, prompt.contiguous(), n_tokens,
-                        cache.keys, cache.values)
+    the prompt followed by the n_tokens new tokens [B, P + n_tokens] (past seqlen, the window slides).
+    model: a model of check_model, or its native_view (made once: the packing of the weights stays out
+    of a timed call)."""
+    native = native_view(model)
+    check_generation_args(native, prompt, n_tokens, seqlen)
+    cache = StaticKVCache.for_model(native, prompt.shape[0], seqlen)  # GQA: its groups' heads
+    return extension().generate(native.weights, native.config.n_heads, native.ln.eps, prompt.contiguous(),
+                                n_tokens, cache.keys, cache.values)
 
 
 @torch.inference_mode()
 def generate_no_cache(model, prompt, n_tokens, seqlen):
     """gptlite.generate on the C++ pass: every step re-encodes the last seqlen tokens from an empty cache
-    (the baseline of a KV cache on the fast path). Returns [B, P + n_tokens], as generate."""
-    check_generation_args(model, prompt, n_tokens, seqlen)
+    (the baseline of a KV cache on the fast path). Returns [B, P + n_tokens], as generate. model: as
+    generate_fast's."""
     native, seq = native_view(model), prompt
+    check_generation_args(native, prompt, n_tokens, seqlen)
     for _ in range(n_tokens):
         window = seq[:, -seqlen:]  # [B, <= seqlen]
         logits = native.forward_cache(window, StaticKVCache.for_model(model, prompt.shape[0], seqlen))

@@ -28,6 +28,15 @@ def random_gptlite(seed=0):
     return model
 
 
+def randomized(model, seed=0):
+    """`model`'s parameters drawn from N(0, 0.5) after seeding (as random_gptlite's), in eval mode."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model.eval()
+
+
 @pytest.fixture
 def tiny_models():
     """The same random weights (random_gptlite) in GPTlite and GPTlite_KVCache, in eval mode."""

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, randomized
 
 import inference_utils as iu
 from gptlite import GPTlite, GPTliteConfig
@@ -38,14 +38,6 @@ VARIANTS = [
     (GPTlite_MoBA, MoBAConfig, dict(TINY, block_size=4, top_k=2)),
 ]
 IDS = [f"{cls.__name__}-{i}" for i, (cls, _, _) in enumerate(VARIANTS)]
-
-
-def randomized(model, seed=0):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    return model.eval()
 
 
 @pytest.mark.parametrize("model_class, config_class, kwargs", VARIANTS, ids=IDS)

@@ -9,7 +9,7 @@ The extension is built once per machine (about a minute) and reused by every tes
 import pytest
 import torch
 
-from conftest import TINY, random_gptlite
+from conftest import TINY, random_gptlite, randomized
 from gptlite import GPTlite
 from gptlite_gqa import GPTlite_GQA
 from gptlite_kvcache import DynamicKVCache, StaticKVCache, generate_kvcache, kv_cache_view
@@ -18,15 +18,6 @@ from lib.errors import GPTliteError
 from lib.speculative import ModelDrafter, plain_generate, speculative_generate
 
 ATOL = 1e-4
-
-
-def randomized(model, seed=0):
-    """Every parameter drawn from N(0, 0.5), as conftest.random_gptlite: peaked attention, logits of units."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    return model.eval()
 
 
 def gqa_model(n_groups=1, **shape):
