@@ -35,7 +35,6 @@ import torch._dynamo
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, decode_one_token, generate_kvcache
 from lib import compiled, corpus, engines, fast_decode, harness, serving
-from lib.errors import GPTliteError
 from lib.files import checkpoint_path
 from lib.presets import PRESETS, get_preset
 
@@ -71,10 +70,7 @@ def check_args(args, parser, preset):
     if "fast" in args.modes and device.type != "cpu":
         parser.error(f"--modes fast is the C++ decode path of a CPU; this run is on {device}: leave it out")
     if args.modes and device.type == "cpu":  # Inductor and the C++ path both build C++ code on a CPU
-        try:
-            fast_decode.check_compiler()
-        except GPTliteError as error:
-            parser.error(str(error))
+        harness.check_compiler(parser)
     for flag in ("batch_sizes", "extra_presets", "modes", "threads"):
         if len(set(getattr(args, flag))) != len(getattr(args, flag)):
             parser.error(f"--{flag.replace('_', '-')} repeats a value: {getattr(args, flag)}")

@@ -16,7 +16,7 @@ the weights change computes the old ones) and keeps the cached interface
 (`hidden_states`, `forward_cache`, a StaticKVCache rolled back with `truncate`), so the speculative
 decoding loop, its drafts and plain decoding run on it unchanged. The math is the eager model's; only
 the order of float sums differs (tests/test_fast_decode.py: logits within 1e-4, the same tokens).
-Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (and pruned ones), float32 on the CPU.
+Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (pruned ones too: every block of one shape), float32 on the CPU.
 """
 import copy
 import functools
@@ -72,6 +72,10 @@ def check_model(model):
                                          or type(b.ffwd) is not FeedForward for b in blocks)):
         raise ValueError(f"the fast decode path computes GPTlite, GPTlite_KVCache and GPTlite_GQA; got a "
                          f"{type(model).__name__}: use its eager path (generate_kvcache)")
+    shapes = {tuple(t.shape for t in weight_list_of_block(b)) for b in blocks}
+    if len(shapes) > 1:  # the kernel reads every block's shapes from the first
+        raise ValueError("the fast decode path needs every block of one shape (heads, key/value heads, d_ff); "
+                         "this model's blocks differ: use its eager path (generate_kvcache)")
     p = model.fc_out.weight
     if p.device.type != "cpu" or p.dtype != torch.float32:
         raise ValueError(f"the fast decode path is float32 on the CPU; the model is {p.dtype} on {p.device}: "
@@ -90,20 +94,20 @@ def packed(weight):
     return wt.view(K, -1, PANEL).transpose(0, 1).contiguous()
 
 
+def weight_list_of_block(block):
+    """A block's 16 tensors in lib/fast_decode.cpp's order (linear weights as the model holds them)."""
+    mha, net = block.mha, block.ffwd.net
+    return [t for module in (block.ln1, mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj, block.ln2,
+                             net[0], net[2]) for t in (module.weight, module.bias)]
+
+
 def weight_list(model):
     """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head.
     Linear weights are packed copies (packed); the other tensors share the model's storage."""
-    def linear(module):
-        return [packed(module.weight), module.bias]
-
     w = [model.token_embedding.weight, model.position_embedding.weight]
     for block in model.blocks:
-        mha, net = block.mha, block.ffwd.net
-        w += [block.ln1.weight, block.ln1.bias]
-        for module in (mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj):
-            w += linear(module)
-        w += [block.ln2.weight, block.ln2.bias, *linear(net[0]), *linear(net[2])]
-    w += [model.ln.weight, model.ln.bias, *linear(model.fc_out)]
+        w += [packed(t) if t.dim() == 2 else t for t in weight_list_of_block(block)]  # 2-d: the linear weights
+    w += [model.ln.weight, model.ln.bias, packed(model.fc_out.weight), model.fc_out.bias]
     return [t.detach().contiguous() for t in w]
 
 

@@ -191,17 +191,22 @@ def add_paths_flag(parser):
 
 def check_paths(parser, args, device):
     """--paths checked before any work; its default filled in."""
-    from lib import fast_decode  # not at the top: it imports the models, which import this module
     args.paths = args.paths or (list(PATHS) if device.type == "cpu" else ["eager"])
     if len(set(args.paths)) != len(args.paths):
         parser.error(f"--paths repeats a value: {args.paths}")
     if "fast" in args.paths and device.type != "cpu":
         parser.error(f"--paths fast is the C++ decode path of a CPU; this run is on {device}: use --paths eager")
     if "fast" in args.paths:
-        try:
-            fast_decode.check_compiler()
-        except GPTliteError as error:
-            parser.error(f"--paths fast: {error}")
+        check_compiler(parser, "--paths fast: ")
+
+
+def check_compiler(parser, prefix=""):
+    """A parser error, before any work, where no C++ compiler can build the fast path (or Inductor's code)."""
+    from lib import fast_decode  # not at the top: it imports the models, which import this module
+    try:
+        fast_decode.check_compiler()
+    except GPTliteError as error:
+        parser.error(f"{prefix}{error}")
 
 
 def check_fits(parser, flag, nbytes, what):

@@ -149,6 +149,14 @@ def test_unsupported_models_and_caches_are_refused():
         fast_decode.generate_fast(model, tokens(1, 2), 3, TINY["seqlen"] + 1)
 
 
+def test_blocks_of_different_shapes_are_refused():
+    """The kernel reads the shapes of block 0: a model whose blocks differ is an error, not an overrun."""
+    model = random_gptlite()
+    model.blocks[1].ffwd = type(model.blocks[1].ffwd)(TINY["d_model"], 0.0, d_ff=40)
+    with pytest.raises(ValueError, match="every block of one shape"):
+        fast_decode.native_view(model)
+
+
 def test_no_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None)
     with pytest.raises(GPTliteError, match="no C\\+\\+ compiler"):
