@@ -21,7 +21,6 @@ Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (pruned ones too: every block of o
 import copy
 import functools
 import pathlib
-import shutil
 import sys
 
 import torch
@@ -31,7 +30,7 @@ from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, MultiHeadAttention_
                              kv_cache_view)
 from gptlite_gqa import GPTlite_GQA, MultiHeadAttention_GQA
 from lib.errors import GPTliteError
-from lib.harness import PATHS  # the decode paths a script times its technique on (its --paths)
+from lib.harness import PATHS, compiler_problem  # the decode paths a script times its technique on (its --paths)
 
 SOURCE = pathlib.Path(__file__).with_name("fast_decode.cpp")
 MODELS = (GPTlite, GPTlite_KVCache, GPTlite_GQA)  # exactly these classes: a subclass may change the math
@@ -41,13 +40,9 @@ ATTENTION = (MultiHeadAttention, MultiHeadAttention_KVCache, MultiHeadAttention_
 
 def check_compiler():
     """A clear error, before any work, where the extension cannot be built."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        raise GPTliteError("no C++ compiler (c++ or g++) on this machine: the fast decode path (lib/fast_decode.cpp) "
-                           "and torch.compile on a CPU build C++ code; install one (e.g. `apt install g++`), "
-                           "or leave the compiled and fast variants out")
-    if shutil.which("ninja") is None:
-        raise GPTliteError("torch.utils.cpp_extension builds with ninja, which is not installed: "
-                           "`pip install -r requirements.txt` installs it")
+    problem = compiler_problem()
+    if problem:
+        raise GPTliteError(problem)
 
 
 @functools.cache

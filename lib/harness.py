@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -202,11 +203,21 @@ def check_paths(parser, args, device):
 
 def check_compiler(parser, prefix=""):
     """A parser error, before any work, where no C++ compiler can build the fast path (or Inductor's code)."""
-    from lib import fast_decode  # not at the top: it imports the models, which import this module
-    try:
-        fast_decode.check_compiler()
-    except GPTliteError as error:
-        parser.error(f"{prefix}{error}")
+    problem = compiler_problem()
+    if problem:
+        parser.error(f"{prefix}{problem}")
+
+
+def compiler_problem():
+    """Why this machine cannot build C++ extensions (lib/fast_decode.cpp, Inductor's code), or None."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return ("no C++ compiler (c++ or g++) on this machine: the fast decode path (lib/fast_decode.cpp) "
+                "and torch.compile on a CPU build C++ code; install one (e.g. `apt install g++`), "
+                "or leave the compiled and fast variants out")
+    if shutil.which("ninja") is None:
+        return ("torch.utils.cpp_extension builds with ninja, which is not installed: "
+                "`pip install -r requirements.txt` installs it")
+    return None
 
 
 def check_fits(parser, flag, nbytes, what):

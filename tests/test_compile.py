@@ -120,7 +120,7 @@ def test_bad_compile_flags_are_clear_errors_before_any_work(flags, match, capsys
 def test_no_cpp_compiler_is_a_clear_error_before_any_work(capsys, monkeypatch):
     """torch.compile and the fast path build C++ on a CPU: without a compiler, one line, before the data."""
     monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
-    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None)
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
     with pytest.raises(SystemExit) as e:
         main_compile.main(["--untrained"] + QUICK + ["--modes", "fast"])
     assert e.value.code == 2 and "no C++ compiler" in capsys.readouterr().err

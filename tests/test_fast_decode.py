@@ -13,7 +13,7 @@ from conftest import TINY, random_gptlite, randomized
 from gptlite import GPTlite
 from gptlite_gqa import GPTlite_GQA
 from gptlite_kvcache import DynamicKVCache, StaticKVCache, generate_kvcache, kv_cache_view
-from lib import fast_decode
+from lib import fast_decode, harness
 from lib.errors import GPTliteError
 from lib.speculative import ModelDrafter, plain_generate, speculative_generate
 
@@ -158,10 +158,10 @@ def test_blocks_of_different_shapes_are_refused():
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None)
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
     with pytest.raises(GPTliteError, match="no C\\+\\+ compiler"):
         fast_decode.check_compiler()
-    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None if name == "ninja" else f"/usr/bin/{name}")
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None if name == "ninja" else f"/usr/bin/{name}")
     with pytest.raises(GPTliteError, match="ninja"):
         fast_decode.check_compiler()
 

@@ -282,7 +282,7 @@ QUICK = ["--preset", "cpu", "--device", "cpu", "--gammas", "1", "2", "--batch-si
 def test_paths_fast_without_a_compiler_is_a_clear_error_before_any_work(capsys, monkeypatch):
     from lib import fast_decode
     monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
-    monkeypatch.setattr(fast_decode.shutil, "which", lambda name: None)
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
     with pytest.raises(SystemExit) as e:
         msd.main(["--untrained", "--device", "cpu", "--preset", "cpu", "--paths", "fast"])
     assert e.value.code == 2 and "--paths fast: no C++ compiler" in capsys.readouterr().err
@@ -323,7 +323,7 @@ def test_drafts_are_trained_once_then_loaded(real_data, tmp_path, monkeypatch):
     again, _, infos2 = msd.build_drafts(target, preset, real_data, "cpu", args, "python main_speculative_decoding.py")
     assert [i["source"].split()[0] for i in infos2] == ["loaded"] * 5
     for name in ("distilled", "medusa", "eagle"):
-        a, b = drafts[name][1], again[name][1]
+        a, b = drafts[name][1]("eager"), again[name][1]("eager")  # (target name, make(path))
         module_a = getattr(a, "model", None) or getattr(a, "heads", None) or a.head
         module_b = getattr(b, "model", None) or getattr(b, "heads", None) or b.head
         for pa, pb in zip(module_a.state_dict().values(), module_b.state_dict().values()):
