@@ -59,21 +59,77 @@ void panel(const float* x, const float* Wp, const float* b, float* y, int64_t K,
     }
 }
 
+// The int8 form of panel: Wq holds the codes q [K, 32] of a per-channel quantized weight (W = q * scale,
+// one scale per output column), read as 8-bit integers and widened to float in registers, a quarter of
+// the float32 panel's bytes. The scale multiplies each column's sum once: sum_k x[k] q[k, c] * scale[c]
+// is the dequantized product up to the order of the float roundings.
+template <int MR>
+void panel_q8(const float* x, const int8_t* Wq, const float* scale, const float* b, float* y, int64_t K, int64_t N,
+              int64_t n0, bool relu) {
+  typedef int8_t c8 __attribute__((vector_size(8)));
+  v8 acc[MR][4] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    c8 q[4];
+    __builtin_memcpy(q, Wq + k * kPanel, sizeof q);
+    const v8 w0 = __builtin_convertvector(q[0], v8), w1 = __builtin_convertvector(q[1], v8),
+             w2 = __builtin_convertvector(q[2], v8), w3 = __builtin_convertvector(q[3], v8);
+    for (int i = 0; i < MR; ++i) {
+      const float xi = x[i * K + k];
+      acc[i][0] += xi * w0;
+      acc[i][1] += xi * w1;
+      acc[i][2] += xi * w2;
+      acc[i][3] += xi * w3;
+    }
+  }
+  const int64_t n_cols = std::min(kPanel, N - n0);
+  for (int i = 0; i < MR; ++i)
+    for (int64_t c = 0; c < n_cols; ++c) {
+      const float v = acc[i][c / 8][c % 8] * scale[n0 + c] + b[n0 + c];
+      y[i * N + n0 + c] = relu && v < 0.f ? 0.f : v;
+    }
+}
+
+// A linear layer's weight as the kernels read it: float32 panels, or int8 panels and their scales.
+struct Weight {
+  const float* f = nullptr;
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+};
+
+Weight weight_of(const torch::Tensor& w, const torch::Tensor& scale) {
+  Weight W;
+  if (w.scalar_type() == torch::kChar) {
+    W.q = w.data_ptr<int8_t>();
+    W.scale = scale.data_ptr<float>();
+  } else {
+    W.f = w.data_ptr<float>();
+  }
+  return W;
+}
+
+// MR rows of x times panel p of W, in the weight's form.
+template <int MR>
+void tile(const float* x, const Weight& W, int64_t p, const float* b, float* y, int64_t K, int64_t N, bool relu) {
+  if (W.q)
+    panel_q8<MR>(x, W.q + p * K * kPanel, W.scale, b, y, K, N, p * kPanel, relu);
+  else
+    panel<MR>(x, W.f + p * K * kPanel, b, y, K, N, p * kPanel, relu);
+}
+
 // y [M, N] = x [M, K] W^T + b, then ReLU when asked: nn.Linear, its weight packed by lib/fast_decode.py
 // into panels of 32 columns, Wp [ceil(N / 32), K, 32] (each panel contiguous: read in order, no cache-set
 // conflicts between rows far apart). Threads split the panels; rows of x go four at a time, the rest as one tile.
-void linear(const float* x, const float* Wp, const float* b, float* y, int64_t M, int64_t K, int64_t N,
+void linear(const float* x, const Weight& W, const float* b, float* y, int64_t M, int64_t K, int64_t N,
             bool relu = false) {
   const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, M * K));  // >= 64K FLOP per thread
   at::parallel_for(0, (N + kPanel - 1) / kPanel, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const float* Wpp = Wp + p * K * kPanel;
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) panel<4>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
+      for (; m + 4 <= M; m += 4) tile<4>(x + m * K, W, p, b, y + m * N, K, N, relu);
       // the last 1 to 3 rows in one tile too: a verification pass of 2 or 3 tokens reads the panel once
-      if (M - m == 3) panel<3>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
-      if (M - m == 2) panel<2>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
-      if (M - m == 1) panel<1>(x + m * K, Wpp, b, y + m * N, K, N, p * kPanel, relu);
+      if (M - m == 3) tile<3>(x + m * K, W, p, b, y + m * N, K, N, relu);
+      if (M - m == 2) tile<2>(x + m * K, W, p, b, y + m * N, K, N, relu);
+      if (M - m == 1) tile<1>(x + m * K, W, p, b, y + m * N, K, N, relu);
     }
   });
 }
@@ -94,15 +150,20 @@ void layer_norm(const float* x, const float* g, const float* b, float* y, int64_
 }
 
 struct Model {
-  std::vector<torch::Tensor> w;  // the weight list, float32, contiguous
+  std::vector<torch::Tensor> w;  // the weight list, contiguous: float32, the linear weights float32 or int8
+  std::vector<torch::Tensor> s;  // per entry of w: an int8 weight's scales [N], else an empty tensor
   int64_t n_layers, n_heads, d_model, d_head, d_ff, vocab;
   double eps;
   const float* p(int64_t i) const { return w[i].data_ptr<float>(); }
   const float* layer(int64_t l, int64_t i) const { return p(2 + l * kPerBlock + i); }
+  Weight lin(int64_t i) const { return weight_of(w[i], s[i]); }
+  Weight layer_lin(int64_t l, int64_t i) const { return lin(2 + l * kPerBlock + i); }
 };
 
-Model make_model(const std::vector<torch::Tensor>& w, int64_t n_heads, double eps) {
-  Model m{w};
+Model make_model(const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& s, int64_t n_heads,
+                 double eps) {
+  TORCH_CHECK(w.size() == s.size(), "one scale entry per weight");
+  Model m{w, s};
   m.n_layers = (static_cast<int64_t>(w.size()) - 6) / kPerBlock;
   m.d_model = w[0].size(1);
   m.n_heads = n_heads;
@@ -129,9 +190,9 @@ std::vector<float> blocks(const Model& m, const int64_t* idx, int64_t B, int64_t
   const float scale = std::sqrt(static_cast<float>(D));
   for (int64_t l = 0; l < m.n_layers; ++l) {
     layer_norm(x.data(), m.layer(l, 0), m.layer(l, 1), h.data(), M, d, m.eps);
-    linear(h.data(), m.layer(l, 2), m.layer(l, 3), q.data(), M, d, H * D);
-    linear(h.data(), m.layer(l, 4), m.layer(l, 5), k.data(), M, d, G * D);
-    linear(h.data(), m.layer(l, 6), m.layer(l, 7), v.data(), M, d, G * D);
+    linear(h.data(), m.layer_lin(l, 2), m.layer(l, 3), q.data(), M, d, H * D);
+    linear(h.data(), m.layer_lin(l, 4), m.layer(l, 5), k.data(), M, d, G * D);
+    linear(h.data(), m.layer_lin(l, 6), m.layer(l, 7), v.data(), M, d, G * D);
     float* K = keys + l * B * G * S * D;  // [B, G, S, D]
     float* V = values + l * B * G * S * D;
     for (int64_t b = 0; b < B; ++b)  // the new keys and values into their slots
@@ -171,11 +232,11 @@ std::vector<float> blocks(const Model& m, const int64_t* idx, int64_t B, int64_t
         }
       }
     });
-    linear(att.data(), m.layer(l, 8), m.layer(l, 9), o.data(), M, H * D, d);
+    linear(att.data(), m.layer_lin(l, 8), m.layer(l, 9), o.data(), M, H * D, d);
     for (int64_t i = 0; i < M * d; ++i) x[i] += o[i];
     layer_norm(x.data(), m.layer(l, 10), m.layer(l, 11), h.data(), M, d, m.eps);
-    linear(h.data(), m.layer(l, 12), m.layer(l, 13), ff.data(), M, d, m.d_ff, /*relu=*/true);
-    linear(ff.data(), m.layer(l, 14), m.layer(l, 15), o.data(), M, m.d_ff, d);
+    linear(h.data(), m.layer_lin(l, 12), m.layer(l, 13), ff.data(), M, d, m.d_ff, /*relu=*/true);
+    linear(ff.data(), m.layer_lin(l, 14), m.layer(l, 15), o.data(), M, m.d_ff, d);
     for (int64_t i = 0; i < M * d; ++i) x[i] += o[i];
   }
   return x;
@@ -186,7 +247,7 @@ void head(const Model& m, const float* x, float* logits, int64_t M) {
   const int64_t n = m.w.size();
   std::vector<float> h(M * m.d_model);
   layer_norm(x, m.p(n - 4), m.p(n - 3), h.data(), M, m.d_model, m.eps);
-  linear(h.data(), m.p(n - 2), m.p(n - 1), logits, M, m.d_model, m.vocab);
+  linear(h.data(), m.lin(n - 2), m.p(n - 1), logits, M, m.d_model, m.vocab);
 }
 
 // The first index of the largest value, as torch.argmax.
@@ -199,9 +260,9 @@ int64_t argmax(const float* row, int64_t n) {
 
 // forward: idx [B, T] at positions start .. start+T-1 through the cache -> the last block's output
 // [B, T, d_model] (with_head false), or the logits [B, T, vocab].
-torch::Tensor forward(const std::vector<torch::Tensor>& w, int64_t n_heads, double eps, torch::Tensor idx,
+torch::Tensor forward(const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& s, int64_t n_heads, double eps, torch::Tensor idx,
                       int64_t start, torch::Tensor keys, torch::Tensor values, bool with_head) {
-  const Model m = make_model(w, n_heads, eps);
+  const Model m = make_model(w, s, n_heads, eps);
   const int64_t B = idx.size(0), T = idx.size(1), G = keys.size(2), S = keys.size(3);
   std::vector<float> x = blocks(m, idx.data_ptr<int64_t>(), B, T, start, keys.data_ptr<float>(),
                                 values.data_ptr<float>(), G, S);
@@ -213,9 +274,9 @@ torch::Tensor forward(const std::vector<torch::Tensor>& w, int64_t n_heads, doub
 
 // generate: greedy decoding of n_tokens after prompt [B, P] from an empty cache -> [B, P + n_tokens].
 // The prefill, then one step per token; only the last position's logits are computed.
-torch::Tensor generate(const std::vector<torch::Tensor>& w, int64_t n_heads, double eps, torch::Tensor prompt,
+torch::Tensor generate(const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& s, int64_t n_heads, double eps, torch::Tensor prompt,
                        int64_t n_tokens, torch::Tensor keys, torch::Tensor values) {
-  const Model m = make_model(w, n_heads, eps);
+  const Model m = make_model(w, s, n_heads, eps);
   const int64_t B = prompt.size(0), P = prompt.size(1), G = keys.size(2), S = keys.size(3), d = m.d_model;
   torch::Tensor out = torch::empty({B, P + n_tokens}, torch::kInt64);
   int64_t* seq = out.data_ptr<int64_t>();
@@ -240,9 +301,20 @@ torch::Tensor generate(const std::vector<torch::Tensor>& w, int64_t n_heads, dou
   return out;
 }
 
+// linear_op: x [M, K] through one packed weight (float32, or int8 with its scales [N]) plus b [N] -> [M, N]:
+// the kernel of every linear layer above, on its own (lib/fast_decode.py's linear, the benchmarks).
+torch::Tensor linear_op(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor b) {
+  const int64_t M = x.size(0), K = x.size(1), N = b.size(0);
+  TORCH_CHECK(w.size(1) == K && w.size(0) == (N + kPanel - 1) / kPanel, "the packed weight's shape does not match");
+  torch::Tensor y = torch::empty({M, N}, torch::kFloat32);
+  linear(x.data_ptr<float>(), weight_of(w, scale), b.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "GPTlite's cached forward pass over new tokens (see fast_decode.py)");
   module.def("generate", &generate, "greedy decoding from an empty cache (see fast_decode.py)");
+  module.def("linear", &linear_op, "one linear layer on a packed weight (see fast_decode.py)");
 }

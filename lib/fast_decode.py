@@ -16,7 +16,10 @@ the weights change computes the old ones) and keeps the cached interface
 (`hidden_states`, `forward_cache`, a StaticKVCache rolled back with `truncate`), so the speculative
 decoding loop, its drafts and plain decoding run on it unchanged. The math is the eager model's; only
 the order of float sums differs (tests/test_fast_decode.py: logits within 1e-4, the same tokens).
-Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (pruned ones too: every block of one shape), float32 on the CPU.
+Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (pruned ones too: every block of one shape), float32 on the CPU;
+the blocks' linear layers may be int8 per channel (lib/quantization.QuantLinear, 8 bits, RTN or GPTQ): the
+kernel then reads their int8 codes, a quarter of the bytes, and scales each column's sum.
+`linear(x, packed(w), scale, b)` is the kernel of one linear layer on its own.
 """
 import copy
 import functools
@@ -24,12 +27,14 @@ import pathlib
 import sys
 
 import torch
+import torch.nn as nn
 
 from gptlite import GPTlite, Block, MultiHeadAttention, FeedForward, check_generation_args
 from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, MultiHeadAttention_KVCache, StaticKVCache,
                              kv_cache_view)
 from gptlite_gqa import GPTlite_GQA, MultiHeadAttention_GQA
 from lib.errors import GPTliteError
+from lib.quantization import QuantLinear
 from lib.harness import PATHS, compiler_problem  # the decode paths a script times its technique on (its --paths)
 
 SOURCE = pathlib.Path(__file__).with_name("fast_decode.cpp")
@@ -61,13 +66,16 @@ def extension():
 
 
 def check_model(model):
-    """The models the kernel computes exactly: GPTlite's architecture (MHA or GQA), float32, on the CPU."""
+    """The models the kernel computes exactly: GPTlite's architecture (MHA or GQA), float32 (the blocks' linear
+    layers float32 or int8 per channel, see linear_parts), on the CPU."""
     blocks = getattr(model, "blocks", ())
     if (type(model) not in MODELS or any(type(b) not in BLOCKS or type(b.mha) not in ATTENTION
                                          or type(b.ffwd) is not FeedForward for b in blocks)):
         raise ValueError(f"the fast decode path computes GPTlite, GPTlite_KVCache and GPTlite_GQA; got a "
                          f"{type(model).__name__}: use its eager path (generate_kvcache)")
-    shapes = {tuple(t.shape for t in weight_list_of_block(b)) for b in blocks}
+    if type(model.fc_out) is not nn.Linear:
+        raise ValueError("the fast decode path reads the head as a float32 nn.Linear: use the eager path")
+    shapes = {tuple(t.shape for t in weight_list_of_block(b)) for b in blocks}  # linear_parts checks each layer
     if len(shapes) > 1:  # the kernel reads every block's shapes from the first
         raise ValueError("the fast decode path needs every block of one shape (heads, key/value heads, d_ff); "
                          "this model's blocks differ: use its eager path (generate_kvcache)")
@@ -81,29 +89,62 @@ PANEL = 32  # columns per weight panel of lib/fast_decode.cpp (kPanel)
 
 
 def packed(weight):
-    """nn.Linear's weight [N, K] as lib/fast_decode.cpp reads it: panels of 32 output columns, each [K, 32]
-    and contiguous, the last padded with zeros: [ceil(N / 32), K, 32]."""
+    """A linear weight [N, K] (float32, or int8 codes) as lib/fast_decode.cpp reads it: panels of 32 output
+    columns, each [K, 32] and contiguous, the last padded with zeros: [ceil(N / 32), K, 32]."""
     N, K = weight.shape
     wt = torch.zeros(K, -(-N // PANEL) * PANEL, dtype=weight.dtype)
     wt[:, :N] = weight.detach().t()
     return wt.view(K, -1, PANEL).transpose(0, 1).contiguous()
 
 
-def weight_list_of_block(block):
-    """A block's 16 tensors in lib/fast_decode.cpp's order (linear weights as the model holds them)."""
+def linear_parts(module):
+    """A linear layer as the kernel computes it: (weight [N, K], bias [N], scale [N] or None). nn.Linear: its
+    float32 weight; an int8 QuantLinear (W = q * scale per output row): its codes and scales. Anything else
+    (int4, AWQ's input scale, W8A8, FP8) is refused, with what to do."""
+    if type(module) is nn.Linear and module.bias is not None:
+        return module.weight, module.bias, None
+    if type(module) is QuantLinear and module.bits == 8 and module.input_scale is None and module.bias is not None:
+        return module.q, module.bias, module.scale
+    raise ValueError(f"the fast decode path computes float32 nn.Linear and int8 per-channel QuantLinear layers "
+                     f"with a bias; got a {type(module).__name__}"
+                     f"{f' of {module.bits} bits' if hasattr(module, 'bits') else ''}: use the eager path")
+
+
+def block_linears(block):
     mha, net = block.mha, block.ffwd.net
-    return [t for module in (block.ln1, mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj, block.ln2,
-                             net[0], net[2]) for t in (module.weight, module.bias)]
+    return mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj, net[0], net[2]
+
+
+def weight_list_of_block(block, scales=None):
+    """A block's 16 tensors in lib/fast_decode.cpp's order (linear weights as the model holds them: float32,
+    or int8 codes). scales: a list that gets, per tensor, an int8 weight's scales or an empty tensor."""
+    q, k, v, out, ff1, ff2 = (linear_parts(m) for m in block_linears(block))
+    parts = [(block.ln1.weight, block.ln1.bias, None), q, k, v, out, (block.ln2.weight, block.ln2.bias, None), ff1, ff2]
+    if scales is not None:
+        scales += [t for _, _, scale in parts for t in (scale if scale is not None else NO_SCALE, NO_SCALE)]
+    return [t for weight, bias, _ in parts for t in (weight, bias)]
+
+
+NO_SCALE = torch.empty(0)  # the scale entry of a float32 tensor
 
 
 def weight_list(model):
-    """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head.
-    Linear weights are packed copies (packed); the other tensors share the model's storage."""
-    w = [model.token_embedding.weight, model.position_embedding.weight]
+    """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head,
+    and beside them, per tensor, its scales (int8 weights) or an empty tensor. Linear weights are packed
+    copies (packed); the other tensors share the model's storage."""
+    w, scales = [model.token_embedding.weight, model.position_embedding.weight], [NO_SCALE, NO_SCALE]
     for block in model.blocks:
-        w += [packed(t) if t.dim() == 2 else t for t in weight_list_of_block(block)]  # 2-d: the linear weights
+        w += [packed(t) if t.dim() == 2 else t for t in weight_list_of_block(block, scales)]  # 2-d: the linear weights
     w += [model.ln.weight, model.ln.bias, packed(model.fc_out.weight), model.fc_out.bias]
-    return [t.detach().contiguous() for t in w]
+    scales += [NO_SCALE] * 4
+    return [t.detach().contiguous() for t in w], [t.detach().float().contiguous() for t in scales]
+
+
+def linear(x, weight, scale, bias):
+    """x [M, K] @ W^T + bias by the kernel of every linear layer of the fast path: weight packed(W) (float32),
+    or packed(q) (int8) with its per-row scales (W = q * scale[:, None]); scale None for float32."""
+    return extension().linear(x.float().contiguous(), weight, NO_SCALE if scale is None else scale.float().contiguous(),
+                              bias.float().contiguous())
 
 
 class GPTlite_Native(GPTlite_KVCache):
@@ -119,7 +160,7 @@ class GPTlite_Native(GPTlite_KVCache):
             n_fit = max(S - n, 0)
             chunks = ([idx[:, :n_fit]] if n_fit else []) + list(idx[:, n_fit:].split(1, dim=1))
             return torch.cat([self.native_pass(chunk, cache, with_head) for chunk in chunks], dim=1)
-        out = extension().forward(self.weights, self.config.n_heads, self.ln.eps, idx.contiguous(), n,
+        out = extension().forward(self.weights, self.scales, self.config.n_heads, self.ln.eps, idx.contiguous(), n,
                                   cache.keys, cache.values, with_head)
         cache.advance(T)
         return out
@@ -141,7 +182,7 @@ def native_view(model):
     extension()
     view = copy.copy(kv_cache_view(model))
     view.__class__ = GPTlite_Native
-    view.__dict__["weights"] = weight_list(model)
+    view.__dict__["weights"], view.__dict__["scales"] = weight_list(model)
     return view
 
 
@@ -161,7 +202,7 @@ def generate_fast(model, prompt, n_tokens, seqlen):
     native = native_view(model)
     check_generation_args(native, prompt, n_tokens, seqlen)
     cache = StaticKVCache.for_model(native, prompt.shape[0], seqlen)  # GQA: its groups' heads
-    return extension().generate(native.weights, native.config.n_heads, native.ln.eps, prompt.contiguous(),
+    return extension().generate(native.weights, native.scales, native.config.n_heads, native.ln.eps, prompt.contiguous(),
                                 n_tokens, cache.keys, cache.values)
 
 

@@ -13,7 +13,10 @@ from conftest import TINY, random_gptlite, randomized
 from gptlite import GPTlite
 from gptlite_gqa import GPTlite_GQA
 from gptlite_kvcache import DynamicKVCache, StaticKVCache, generate_kvcache, kv_cache_view
+import torch.nn.functional as F
+
 from lib import fast_decode, harness
+from lib import quantization as qz
 from lib.errors import GPTliteError
 from lib.speculative import ModelDrafter, plain_generate, speculative_generate
 
@@ -29,6 +32,9 @@ MODELS = {
     "odd shapes": lambda: randomized(GPTlite(**dict(TINY, d_model=20, n_heads=3, d_head=7, d_ff=70))),
     "gqa 2 groups": lambda: gqa_model(n_groups=2),
     "mqa": lambda: gqa_model(n_groups=1, d_head=5),
+    # int8 per channel (RTN): the reference dequantizes and runs F.linear (kernel=False), the kernel reads the codes
+    "int8 mha": lambda: qz.quantize_model(random_gptlite(), method="rtn", bits=8, kernel=False),
+    "int8 gqa": lambda: qz.quantize_model(gqa_model(n_groups=2), method="rtn", bits=8, kernel=False),
 }
 
 
@@ -154,6 +160,51 @@ def test_blocks_of_different_shapes_are_refused():
     model = random_gptlite()
     model.blocks[1].ffwd = type(model.blocks[1].ffwd)(TINY["d_model"], 0.0, d_ff=40)
     with pytest.raises(ValueError, match="every block of one shape"):
+        fast_decode.native_view(model)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9])  # every register tile (4, 3, 2, 1 rows) and mixes of them
+@pytest.mark.parametrize("N", [32, 45])  # one full panel; a padded last panel
+def test_linear_equals_f_linear_in_float32_and_int8(M, N):
+    """The kernel of every linear layer: F.linear on the float weight, and on the dequantized int8 one
+    (q * scale per output row, ATen's _weight_int8pack_mm as a second reference)."""
+    g = torch.Generator().manual_seed(M * N)
+    x, w, b = (torch.randn(*shape, generator=g) for shape in ((M, 70), (N, 70), (N,)))
+    torch.testing.assert_close(fast_decode.linear(x, fast_decode.packed(w), None, b), F.linear(x, w, b), atol=ATOL, rtol=0)
+    q, scale = qz.quantize_int8(w)
+    y = fast_decode.linear(x, fast_decode.packed(q), scale, b)
+    torch.testing.assert_close(y, F.linear(x, qz.dequantize(q, scale), b), atol=ATOL, rtol=0)
+    torch.testing.assert_close(y, torch.ops.aten._weight_int8pack_mm(x, q, scale) + b, atol=ATOL, rtol=0)
+    assert (y - F.linear(x, w, b)).abs().max() > 1e-3  # the int8 codes were read, not the float weight
+
+
+def test_an_int8_view_reads_a_quarter_of_the_linear_bytes():
+    model = qz.quantize_model(random_gptlite(), method="rtn", bits=8)  # ATen's packed kernel form: the same codes
+    native = fast_decode.native_view(model)
+    int8 = [t for t in native.weights if t.dtype == torch.int8]
+    assert len(int8) == 6 * TINY["n_layers"] and all(s.numel() for s, t in zip(native.scales, native.weights)
+                                                       if t.dtype == torch.int8)
+    prompt = tokens(2, 4)
+    assert torch.equal(fast_decode.generate_fast(native, prompt, 10, TINY["seqlen"]),
+                       generate_kvcache(kv_cache_view(model), prompt, 10, TINY["seqlen"]))
+
+
+@pytest.mark.parametrize("kwargs, what", [(dict(method="rtn", bits=4, group_size=8, kernel=False), "of 4 bits"),
+                                          (dict(method="w8a8", alpha=None), "W8A8Linear"),
+                                          (dict(method="fp8"), "FP8Linear")])
+def test_other_quantized_layers_are_refused(kwargs, what):
+    calibration = tokens(2, TINY["seqlen"])
+    model = qz.quantize_model(random_gptlite(), calibration=calibration, **kwargs)
+    with pytest.raises(ValueError, match=what):
+        fast_decode.native_view(model)
+
+
+def test_an_awq_layer_is_refused():
+    """AWQ divides its input by a scale first: the kernel does not, so such a layer is an error."""
+    model = qz.quantize_model(random_gptlite(), method="rtn", bits=8)
+    layer = model.blocks[0].mha.query_proj
+    layer.input_scale = torch.ones(layer.in_features)
+    with pytest.raises(ValueError, match="QuantLinear of 8 bits"):
         fast_decode.native_view(model)
 
 
