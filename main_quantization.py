@@ -16,6 +16,11 @@ On this machine the model (3 MB) sits in the CPU's cache, so fewer weight bytes 
 faster here: a second table times one matrix-vector product on a matrix larger than the last-level cache (its
 size read from the machine), where the weights' bytes do bind, float32 against int8 and int4.
 
+Decode paths (--paths): `eager` (PyTorch operators: every row above) and `fast` (lib/fast_decode.py, the whole
+step as one C++ call), where float32 and int8 per channel (RTN) are timed again, in the same round-robin: the
+fast kernel reads the int8 codes themselves. The benchmark then times the fast path's kernel, float32 and int8,
+on the same large matrix.
+
 Checks first: each weight-only variant's packed kernel gives the logits of its dequantize-then-matmul form
 (atol 1e-4). Nothing is timed or written unless they hold.
 """
@@ -29,10 +34,11 @@ import torch.nn.functional as F
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from lib import corpus, harness, quantization as qz, training
+from lib import corpus, fast_decode, harness, quantization as qz, training
 
 ATOL = 1e-4  # float32 logits: the packed kernels sum the same products in another order
 TORCHAO = "torchao==0.18.0"
+FAST_VARIANTS = ("float32", "int8 per channel, RTN")  # the rows the fast path computes (lib/fast_decode.linear_parts)
 
 
 def weight_variants(group_size, alpha):
@@ -98,12 +104,17 @@ def new_cache(model, bits, block):
     return None if bits is None else qz.KIVICache(model.config.n_layers, bits, block, model.seqlen)
 
 
-def generators(models, kv_bits, block):
-    """{name: fn(prompts, n) -> tokens}: greedy decoding with the KV cache; KIVI rows with their cache."""
-    fns = {name: (lambda p, n, m=m: generate_kvcache(m, p, n, m.seqlen)) for name, m in models.items()}
+def generators(models, kv_bits, block, paths):
+    """{(name, path): fn(prompts, n) -> tokens}: greedy decoding with the KV cache (KIVI rows with their cache)
+    on the eager path; FAST_VARIANTS also on the fast path (the weights packed once here, outside the timings)."""
+    fns = {(name, "eager"): (lambda p, n, m=m: generate_kvcache(m, p, n, m.seqlen)) for name, m in models.items()}
     base = models["float32"]
     for name, bits in kivi_names(kv_bits).items():
-        fns[name] = lambda p, n, b=bits: generate_kvcache(base, p, n, base.seqlen, new_cache(base, b, block))
+        fns[name, "eager"] = lambda p, n, b=bits: generate_kvcache(base, p, n, base.seqlen, new_cache(base, b, block))
+    if "fast" in paths:
+        for name in FAST_VARIANTS:
+            fns[name, "fast"] = lambda p, n, v=fast_decode.native_view(models[name]): fast_decode.generate_fast(
+                v, p, n, v.seqlen)
     return fns
 
 
@@ -114,14 +125,35 @@ def kv_bytes_per_token(model, bits, block, prompts):
     return iu.kv_cache_bytes(held) / prompts.numel()
 
 
-def matmul_benchmark(size, repeats):
-    """One matrix-vector product x [1, K] @ W^T, W [size, size]: float32, dequantize-then-matmul int8, and ATen's
-    int8 and int4 kernels. Rows of weight MB, ms (median) and weight GB/s."""
+def bench_layers(size, paths):
+    """The benchmark's layers on one matrix W [size, size] and its input x [1, size]: float32, dequantize-then-
+    matmul int8, ATen's int8 and int4 kernels, and (fast in paths) the fast path's kernel on float32 and int8."""
     torch.manual_seed(0)
     linear = nn.Linear(size, size, bias=False)
-    x = torch.randn(1, size)
+    int8, zero = qz.rtn(linear, 8, 32), torch.zeros(size)
     layers = {"float32 (F.linear)": linear, "int8 dequantize + F.linear": qz.rtn(linear, 8, 32, kernel=False),
-              "int8 _weight_int8pack_mm": qz.rtn(linear, 8, 32), "int4 g32 _weight_int4pack_mm_for_cpu": qz.rtn(linear, 4, 32)}
+              "int8 _weight_int8pack_mm": int8, "int4 g32 _weight_int4pack_mm_for_cpu": qz.rtn(linear, 4, 32)}
+    if "fast" in paths:
+        layers |= {"float32 fast path kernel": FastLinear(linear.weight, None, zero),
+                   "int8 fast path kernel": FastLinear(int8.q, int8.scale, zero)}
+    return layers, torch.randn(1, size)
+
+
+@torch.inference_mode()
+def bench_checks(layers, x):
+    """The fast path's kernels against the layers they stand for, on the benchmark's matrix ({check: ok})."""
+    atol = ATOL * math.sqrt(x.shape[1])  # float32 sums of K products in another order: the error grows with K
+    checks = {}
+    for name, reference in (("float32 fast path kernel", "float32 (F.linear)"),
+                            ("int8 fast path kernel", "int8 _weight_int8pack_mm")):
+        if name in layers:
+            diff = (layers[name](x) - layers[reference](x)).abs().max().item()
+            checks[f"benchmark: {name} = {reference} (max |diff| {diff:.1e}, atol {atol:.0e})"] = diff <= atol
+    return checks
+
+
+def matmul_benchmark(layers, x, repeats):
+    """Each layer's x @ W^T, timed round-robin: rows of weight MB, ms (median) and weight GB/s."""
     with torch.inference_mode():
         times = iu.time_round_robin({name: (lambda m=m: m(x)) for name, m in layers.items()}, warmup=2, repeats=repeats)
     rows = []
@@ -133,6 +165,19 @@ def matmul_benchmark(size, repeats):
     for row in rows:
         row["speedup_vs_float32"] = round(rows[0]["ms"] / row["ms"], 2)
     return rows
+
+
+class FastLinear(nn.Module):
+    """One linear layer through the fast path's kernel (lib/fast_decode.linear): the weight packed once."""
+
+    def __init__(self, weight, scale, bias):
+        super().__init__()
+        self.register_buffer("weight", fast_decode.packed(weight))  # [ceil(N / 32), K, 32]
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        return fast_decode.linear(x, self.weight, self.scale, self.bias)
 
 
 def last_level_cache_bytes():
@@ -173,9 +218,11 @@ def parse_args(argv):
     add("--bench-size", type=harness.int_at_least(64), default=None,
         help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)
+    harness.add_paths_flag(parser)
     args = parser.parse_args(argv)
 
     def check_args(preset):
+        harness.check_paths(parser, args, harness.get_device(args.device))
         for width in (preset.d_model, preset.n_heads * preset.d_head, 4 * preset.d_model):
             try:
                 qz.check_group(width, args.group_size)
@@ -191,7 +238,7 @@ def parse_args(argv):
         if args.bench_size is None:
             llc = last_level_cache_bytes() or 32 * 2**20
             args.bench_size = 256 * math.ceil(math.sqrt(3 * llc) / 256)  # int4 (size^2 / 2 bytes): 1.5x the cache
-        harness.check_fits(parser, "--bench-size", 8 * args.bench_size**2, "the benchmark's matrices")
+        harness.check_fits(parser, "--bench-size", 14 * args.bench_size**2, "the benchmark's matrices")
     args.kv_bits = sorted(set(args.kv_bits), reverse=True)
     return (args, *harness.setup(args, parser, check_args))
 
@@ -208,41 +255,50 @@ def main(argv=None):
         else:
             models[name] = qz.quantize_model(model, calibration=calibration, **kwargs)
     models.update(torchao_variants(model))
+    layers, x = bench_layers(args.bench_size, args.paths)
+    fns = generators(models, args.kv_bits, args.kv_block, args.paths)
+    prompts = corpus.sample_prompts(data, 8, args.prompt_len, seed=args.seed, device=device)
+    tokens = {key: fn(prompts, args.n_tokens)[:, args.prompt_len:] for key, fn in fns.items()}
     checks = {f"{name}: packed kernel = dequantize + matmul (max |logits diff| {d:.1e}, atol {ATOL:g})": d <= ATOL
-              for name, d in diffs.items()}
+              for name, d in diffs.items()} | bench_checks(layers, x)
+    checks |= {f"{name}, fast path: greedy tokens = the eager path's": torch.equal(tokens[name, "fast"],
+                                                                                    tokens[name, "eager"])
+               for name, path in fns if path == "fast"}
     harness.require_checks(checks)
-    rows = measure(models, plain, diffs, data, args, preset, device)
-    bench = matmul_benchmark(args.bench_size, args.repeats + 2)
+    rows, path_rows = measure(models, plain, diffs, fns, prompts, tokens, data, args, preset)
+    bench = matmul_benchmark(layers, x, args.repeats + 2)
     summary = list(checks) + [
         "bits_per_weight: 8 x the serialized state dict's bytes / the float model's parameters; token_agreement: the "
         f"share of greedy tokens (8 prompts x {args.n_tokens}) equal to float32's at the same position; KIVI: "
         f"{args.kv_block}-token blocks, the latest (up to {args.kv_block - 1}) tokens in float32",
         f"benchmark: x [1, {args.bench_size}] @ W^T, W [{args.bench_size}, {args.bench_size}]; last-level cache "
         f"{(last_level_cache_bytes() or 0) / 2**20:.0f} MiB; median of {args.repeats + 2}, round-robin"]
+    summary += [f"int8 / float32 TPOT, batch {b}: " + "; ".join(
+        f"{r['path']} {r[f'vs_float32_b{b}']:.2f}x" for r in path_rows if r["variant"] != "float32"
+        and r[f"vs_float32_b{b}"] is not None) for b in (1, 8)]
     best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
     headline = dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
                     figure=f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss "
                            f"{best['loss_change']:+.4f}; int4 kernel {bench[3]['speedup_vs_float32']:.1f}x float32 "
                            f"on a {bench[0]['weight_mb']:.0f} MB matrix")
     harness.report(args, "main_quantization.py", preset, device, rows, headline, summary=summary,
-                   tables=[harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)],
-                   plot=lambda: plot_results(rows, bench, preset, device))
+                   tables=[harness.table("Greedy decoding on each path (TPOT ms; vs_float32: float32's TPOT on the "
+                                         "same path / this one's)", path_rows),
+                           harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)],
+                   plot=lambda: plot_results(rows, bench, preset, device), checks=checks)
 
 
-def measure(models, plain, diffs, data, args, preset, device):
-    """Every variant's row: size, loss (of the dequantizing form where there is one: the same logits), token
-    agreement, TPOT at batch 1 and 8, KV bytes per token."""
-    fns = generators(models, args.kv_bits, args.kv_block)
-    prompts = corpus.sample_prompts(data, 8, args.prompt_len, seed=args.seed, device=device)
-    tokens = {name: fn(prompts, args.n_tokens)[:, args.prompt_len:] for name, fn in fns.items()}
-    timing = {b: iu.compare_generation({n: (lambda k, f=f: f(prompts[:b], k)) for n, f in fns.items()}, args.n_tokens,
-                                       b, device, repeats=args.repeats) for b in (1, 8)}
+def measure(models, plain, diffs, fns, prompts, tokens, data, args, preset):
+    """Every variant's row (eager path): size, loss (of the dequantizing form where there is one: the same logits),
+    token agreement, TPOT at batch 1 and 8, KV bytes per token; and the rows of FAST_VARIANTS on each path."""
+    timing = {b: iu.compare_generation({k: (lambda n, f=f: f(prompts[:b], n)) for k, f in fns.items()}, args.n_tokens,
+                                       b, prompts.device, repeats=args.repeats) for b in (1, 8)}
     n_float = iu.n_params(models["float32"])
     base_loss = training.validation_loss(models["float32"], data, args.val_batches)
-    window = corpus.sample_prompts(data, 1, preset.seqlen, seed=args.seed, device=device)
+    window = corpus.sample_prompts(data, 1, preset.seqlen, seed=args.seed, device=prompts.device)
     kivi = kivi_names(args.kv_bits)
     rows = []
-    for name in fns:
+    for name, _ in (key for key in fns if key[1] == "eager"):
         model = models.get(name, models["float32"])
         bits = kivi.get(name)
         loss = (kivi_loss(model, data, bits, args.kv_block, args.val_batches) if bits
@@ -252,11 +308,18 @@ def measure(models, plain, diffs, data, args, preset, device):
         rows.append(harness.make_row(
             name, bits_per_weight=round(8 * size / n_float, 2), size_mb=round(size / 2**20, 3), val_loss=loss,
             loss_change=round(loss - base_loss, 4),
-            token_agreement=round((tokens[name] == tokens["float32"]).float().mean().item(), 3),
-            tpot_b1_ms=timing[1][name]["tpot_ms"], tpot_b8_ms=timing[8][name]["tpot_ms"],
+            token_agreement=round((tokens[name, "eager"] == tokens["float32", "eager"]).float().mean().item(), 3),
+            tpot_b1_ms=timing[1][name, "eager"]["tpot_ms"], tpot_b8_ms=timing[8][name, "eager"]["tpot_ms"],
             kv_bytes_per_token=round(kv_bytes_per_token(model, bits, args.kv_block, window), 1),
             kernel_eq_dequant="-" if name not in diffs else "yes" if diffs[name] <= ATOL else "NO"))
-    return rows
+    path_rows = []
+    for path in args.paths:
+        for name in (n for n in FAST_VARIANTS if (n, path) in fns):
+            tpot = {b: timing[b][name, path]["tpot_ms"] for b in (1, 8)}
+            ratios = {b: iu.ratio(timing[b]["float32", path]["tpot_ms"], tpot[b]) for b in (1, 8)}
+            path_rows.append(harness.make_row(name, path=path, tpot_b1_ms=tpot[1], tpot_b8_ms=tpot[8], **{
+                f"vs_float32_b{b}": None if r is None else round(r, 2) for b, r in ratios.items()}))
+    return rows, path_rows
 
 
 if __name__ == "__main__":

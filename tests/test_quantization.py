@@ -163,4 +163,25 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert all(r["kernel_eq_dequant"] == "yes" for n, r in rows.items() if n.startswith(("int8", "int4")))
     assert rows["int4 g32, RTN"]["bits_per_weight"] < rows["int8 per channel, RTN"]["bits_per_weight"] < 12
     assert rows["KIVI 2-bit KV cache"]["kv_bytes_per_token"] < rows["KIVI 4-bit KV cache"]["kv_bytes_per_token"] < 4096
-    assert len(result["tables"][0]["rows"]) == 4 and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paths, bench = (t["rows"] for t in result["tables"])
+    assert [(r["variant"], r["path"]) for r in paths] == [(v, p) for p in ("eager", "fast") for v in mq.FAST_VARIANTS]
+    assert all(r["vs_float32_b1"] in (1.0, None) for r in paths if r["variant"] == "float32")  # None: TPOT in the noise
+    assert [r["variant"] for r in bench][4:] == ["float32 fast path kernel", "int8 fast path kernel"]
+    assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1]  # 256 x 256 float32 (and a zero bias), int8 and scales
+    assert sum("fast path" in check for check in result["checks"]) == 4 and all(result["checks"].values())
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_eager_path_alone_has_no_fast_rows(real_data, tmp_path):
+    out_json = tmp_path / "q.json"
+    mq.main(["--untrained", "--paths", "eager", "--kv-bits", "4", "--json", str(out_json)] + QUICK)
+    paths, bench = (t["rows"] for t in json.loads(out_json.read_text())["tables"])
+    assert {r["path"] for r in paths} == {"eager"} and len(bench) == 4
+
+
+def test_paths_fast_without_a_compiler_is_a_clear_error_before_any_work(capsys, monkeypatch):
+    monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        mq.main(["--untrained"] + QUICK + ["--paths", "fast"])
+    assert e.value.code == 2 and "--paths fast: no C++ compiler" in capsys.readouterr().err
