@@ -17,9 +17,9 @@ faster here: a second table times one matrix-vector product on a matrix larger t
 size read from the machine), where the weights' bytes do bind, float32 against int8 and int4.
 
 Decode paths (--paths): `eager` (PyTorch operators: every row above) and `fast` (lib/fast_decode.py, the whole
-step as one C++ call), where float32 and int8 per channel (RTN) are timed again, in the same round-robin: the
-fast kernel reads the int8 codes themselves. The benchmark then times the fast path's kernel, float32 and int8,
-on the same large matrix.
+step as one C++ call), where float32, int8 per channel (RTN) and int4 per group (RTN, GPTQ) are timed again, in
+the same round-robin: the fast kernel reads the int8 and int4 codes themselves. The benchmark then times the
+fast path's kernel, float32, int8 and int4, on the same large matrix.
 
 Checks first: each weight-only variant's packed kernel gives the logits of its dequantize-then-matmul form
 (atol 1e-4). Nothing is timed or written unless they hold.
@@ -38,7 +38,11 @@ from lib import corpus, fast_decode, harness, quantization as qz, training
 
 ATOL = 1e-4  # float32 logits: the packed kernels sum the same products in another order
 TORCHAO = "torchao==0.18.0"
-FAST_VARIANTS = ("float32", "int8 per channel, RTN")  # the rows the fast path computes (lib/fast_decode.linear_parts)
+
+
+def fast_variants(group_size):
+    """The rows the fast path computes (lib/fast_decode.linear_parts), timed on both paths."""
+    return ("float32", "int8 per channel, RTN", f"int4 g{group_size}, RTN", f"int4 g{group_size}, GPTQ")
 
 
 def weight_variants(group_size, alpha):
@@ -104,17 +108,17 @@ def new_cache(model, bits, block):
     return None if bits is None else qz.KIVICache(model.config.n_layers, bits, block, model.seqlen)
 
 
-def generators(models, kv_bits, block, paths):
+def generators(models, plain, kv_bits, block, fast):
     """{(name, path): fn(prompts, n) -> tokens}: greedy decoding with the KV cache (KIVI rows with their cache)
-    on the eager path; FAST_VARIANTS also on the fast path (the weights packed once here, outside the timings)."""
+    on the eager path; the `fast` variants also on the fast path, from their codes (`plain`: the int4 codes
+    readable), the weights packed once here, outside the timings."""
     fns = {(name, "eager"): (lambda p, n, m=m: generate_kvcache(m, p, n, m.seqlen)) for name, m in models.items()}
     base = models["float32"]
     for name, bits in kivi_names(kv_bits).items():
         fns[name, "eager"] = lambda p, n, b=bits: generate_kvcache(base, p, n, base.seqlen, new_cache(base, b, block))
-    if "fast" in paths:
-        for name in FAST_VARIANTS:
-            fns[name, "fast"] = lambda p, n, v=fast_decode.native_view(models[name]): fast_decode.generate_fast(
-                v, p, n, v.seqlen)
+    for name in fast:
+        fns[name, "fast"] = lambda p, n, v=fast_decode.native_view(plain.get(name, models[name])): (
+            fast_decode.generate_fast(v, p, n, v.seqlen))
     return fns
 
 
@@ -129,13 +133,14 @@ def bench_layers(size, paths):
     """The benchmark's layers on one matrix W [size, size] and its input x [1, size]: float32, dequantize-then-
     matmul int8, ATen's int8 and int4 kernels, and (fast in paths) the fast path's kernel on float32 and int8."""
     torch.manual_seed(0)
-    linear = nn.Linear(size, size, bias=False)
-    int8, zero = qz.rtn(linear, 8, 32), torch.zeros(size)
+    linear = nn.Linear(size, size)
+    nn.init.zeros_(linear.bias)  # the fast kernel adds a bias: zeros, [size] floats beside size^2 weights
+    int8, int4 = qz.rtn(linear, 8, 32), qz.rtn(linear, 4, 32, kernel=False)
     layers = {"float32 (F.linear)": linear, "int8 dequantize + F.linear": qz.rtn(linear, 8, 32, kernel=False),
               "int8 _weight_int8pack_mm": int8, "int4 g32 _weight_int4pack_mm_for_cpu": qz.rtn(linear, 4, 32)}
     if "fast" in paths:
-        layers |= {"float32 fast path kernel": FastLinear(linear.weight, None, zero),
-                   "int8 fast path kernel": FastLinear(int8.q, int8.scale, zero)}
+        layers |= {"float32 fast path kernel": FastLinear(linear), "int8 fast path kernel": FastLinear(int8),
+                   "int4 g32 fast path kernel": FastLinear(int4)}
     return layers, torch.randn(1, size)
 
 
@@ -145,7 +150,8 @@ def bench_checks(layers, x):
     atol = ATOL * math.sqrt(x.shape[1])  # float32 sums of K products in another order: the error grows with K
     checks = {}
     for name, reference in (("float32 fast path kernel", "float32 (F.linear)"),
-                            ("int8 fast path kernel", "int8 _weight_int8pack_mm")):
+                            ("int8 fast path kernel", "int8 _weight_int8pack_mm"),
+                            ("int4 g32 fast path kernel", "int4 g32 _weight_int4pack_mm_for_cpu")):
         if name in layers:
             diff = (layers[name](x) - layers[reference](x)).abs().max().item()
             checks[f"benchmark: {name} = {reference} (max |diff| {diff:.1e}, atol {atol:.0e})"] = diff <= atol
@@ -168,11 +174,13 @@ def matmul_benchmark(layers, x, repeats):
 
 
 class FastLinear(nn.Module):
-    """One linear layer through the fast path's kernel (lib/fast_decode.linear): the weight packed once."""
+    """A linear layer (nn.Linear or QuantLinear) through the fast path's kernel (lib/fast_decode.linear), its
+    weight packed once (lib/fast_decode.linear_parts)."""
 
-    def __init__(self, weight, scale, bias):
+    def __init__(self, layer):
         super().__init__()
-        self.register_buffer("weight", fast_decode.packed(weight))  # [ceil(N / 32), K, 32]
+        weight, scale, bias = fast_decode.linear_parts(layer)
+        self.register_buffer("weight", weight)  # [ceil(N / 32), K, 32] (int4: [.., K, 16] bytes)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
 
@@ -256,7 +264,8 @@ def main(argv=None):
             models[name] = qz.quantize_model(model, calibration=calibration, **kwargs)
     models.update(torchao_variants(model))
     layers, x = bench_layers(args.bench_size, args.paths)
-    fns = generators(models, args.kv_bits, args.kv_block, args.paths)
+    fast = fast_variants(args.group_size) if "fast" in args.paths else ()
+    fns = generators(models, plain, args.kv_bits, args.kv_block, fast)
     prompts = corpus.sample_prompts(data, 8, args.prompt_len, seed=args.seed, device=device)
     tokens = {key: fn(prompts, args.n_tokens)[:, args.prompt_len:] for key, fn in fns.items()}
     checks = {f"{name}: packed kernel = dequantize + matmul (max |logits diff| {d:.1e}, atol {ATOL:g})": d <= ATOL
@@ -290,7 +299,7 @@ def main(argv=None):
 
 def measure(models, plain, diffs, fns, prompts, tokens, data, args, preset):
     """Every variant's row (eager path): size, loss (of the dequantizing form where there is one: the same logits),
-    token agreement, TPOT at batch 1 and 8, KV bytes per token; and the rows of FAST_VARIANTS on each path."""
+    token agreement, TPOT at batch 1 and 8, KV bytes per token; and the rows of fast_variants on each path."""
     timing = {b: iu.compare_generation({k: (lambda n, f=f: f(prompts[:b], n)) for k, f in fns.items()}, args.n_tokens,
                                        b, prompts.device, repeats=args.repeats) for b in (1, 8)}
     n_float = iu.n_params(models["float32"])
@@ -314,7 +323,7 @@ def measure(models, plain, diffs, fns, prompts, tokens, data, args, preset):
             kernel_eq_dequant="-" if name not in diffs else "yes" if diffs[name] <= ATOL else "NO"))
     path_rows = []
     for path in args.paths:
-        for name in (n for n in FAST_VARIANTS if (n, path) in fns):
+        for name in (n for n in fast_variants(args.group_size) if (n, path) in fns):
             tpot = {b: timing[b][name, path]["tpot_ms"] for b in (1, 8)}
             ratios = {b: iu.ratio(timing[b]["float32", path]["tpot_ms"], tpot[b]) for b in (1, 8)}
             path_rows.append(harness.make_row(name, path=path, tpot_b1_ms=tpot[1], tpot_b8_ms=tpot[8], **{

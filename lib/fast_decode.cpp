@@ -48,6 +48,24 @@ inline v8 widen8(const int8_t* p) {
 
 constexpr int64_t kPanel = 32;  // columns per weight panel: four vectors of eight
 
+// One row of an int4 panel, 16 bytes (byte j: column j in its low nibble, column j + 16 in its high one),
+// as the four vectors of its 32 codes 0..15 in float.
+inline void widen4(const uint8_t* p, v8* w) {
+#if defined(__AVX2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  w[0] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+#else
+  for (int c = 0; c < 16; ++c) {
+    w[c / 8][c % 8] = p[c] & 0x0F;
+    w[2 + c / 8][c % 8] = p[c] >> 4;
+  }
+#endif
+}
+
 // Rows x [MR, K] times one weight panel Wp [K, 32] (columns n0 .. n0+31, zero past N) plus b, into y: the
 // register tile of a matrix product. Per k, four loads of the panel's row serve MR rows of x and each
 // x[m, k] (broadcast) four vectors: at MR = 4 that is 8 loads for 16 vector multiply-adds, with no
@@ -101,31 +119,81 @@ void panel_q8(const float* x, const int8_t* Wq, const float* scale, const float*
     }
 }
 
-// A linear layer's weight as the kernels read it: float32 panels, or int8 panels and their scales.
+// The int4 form of panel, for MR <= 2: Wq [K, 16] holds a weight quantized per group of G input rows k,
+// W[k, c] = (q[k, c] - 8) * s[g, c] + zero[g, c]. Per group the codes' products are summed first; then
+// sum_k x[k] W[k, c] over the group = s[g, c] * sum_k x[k] q[k, c] + z8[g, c] * sum_k x[k], where z8 = zero - 8 s
+// (sz holds, per group, the 32 columns' s and then their z8). An eighth of float32's bytes.
+template <int MR>
+void panel_q4(const float* x, const uint8_t* Wq, const float* sz, int64_t G, const float* b, float* y, int64_t K,
+              int64_t N, int64_t n0, bool relu) {
+  v8 acc[MR][4] = {};
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    v8 part[MR][4] = {};
+    float xs[MR] = {};
+    for (int64_t k = g0; k < g0 + G; ++k) {
+      v8 w[4];
+      widen4(Wq + k * (kPanel / 2), w);
+      for (int i = 0; i < MR; ++i) {
+        const float xi = x[i * K + k];
+        xs[i] += xi;
+        for (int j = 0; j < 4; ++j) part[i][j] += xi * w[j];
+      }
+    }
+    const float* s = sz + (g0 / G) * 2 * kPanel;
+    for (int j = 0; j < 4; ++j) {
+      const v8 sj = load8(s + 8 * j), zj = load8(s + kPanel + 8 * j);
+      for (int i = 0; i < MR; ++i) acc[i][j] += sj * part[i][j] + xs[i] * zj;
+    }
+  }
+  const int64_t n_cols = std::min(kPanel, N - n0);
+  for (int i = 0; i < MR; ++i)
+    for (int64_t c = 0; c < n_cols; ++c) {
+      const float v = acc[i][c / 8][c % 8] + b[n0 + c];
+      y[i * N + n0 + c] = relu && v < 0.f ? 0.f : v;
+    }
+}
+
+// A linear layer's weight as the kernels read it: float32 panels; int8 panels and their scales; or int4
+// panels and their groups' scales and offsets.
 struct Weight {
   const float* f = nullptr;
   const int8_t* q = nullptr;
   const float* scale = nullptr;
+  const uint8_t* q4 = nullptr;
+  int64_t group = 0;  // int4: input rows per group
 };
 
+// w: float32 [P, K, 32]; int8 [P, K, 32] with scale [N]; uint8 (int4) [P, K, 16] with scale [P, K / G, 2, 32].
 Weight weight_of(const torch::Tensor& w, const torch::Tensor& scale) {
   Weight W;
   if (w.scalar_type() == torch::kChar) {
     W.q = w.data_ptr<int8_t>();
     W.scale = scale.data_ptr<float>();
+  } else if (w.scalar_type() == torch::kByte) {
+    TORCH_CHECK(scale.dim() == 4 && scale.size(0) == w.size(0) && w.size(1) % scale.size(1) == 0,
+                "an int4 weight's groups do not match its scales");
+    W.q4 = w.data_ptr<uint8_t>();
+    W.scale = scale.data_ptr<float>();
+    W.group = w.size(1) / scale.size(1);
   } else {
     W.f = w.data_ptr<float>();
   }
   return W;
 }
 
-// MR rows of x times panel p of W, in the weight's form.
+// MR rows of x times panel p of W, in the weight's form (int4: two rows at a time at most, for registers).
 template <int MR>
 void tile(const float* x, const Weight& W, int64_t p, const float* b, float* y, int64_t K, int64_t N, bool relu) {
-  if (W.q)
+  if (W.q4) {
+    const uint8_t* Wq = W.q4 + p * K * (kPanel / 2);
+    const float* sz = W.scale + p * (K / W.group) * 2 * kPanel;
+    for (int i = 0; i + 2 <= MR; i += 2) panel_q4<2>(x + i * K, Wq, sz, W.group, b, y + i * N, K, N, p * kPanel, relu);
+    if (MR % 2) panel_q4<1>(x + (MR - 1) * K, Wq, sz, W.group, b, y + (MR - 1) * N, K, N, p * kPanel, relu);
+  } else if (W.q) {
     panel_q8<MR>(x, W.q + p * K * kPanel, W.scale, b, y, K, N, p * kPanel, relu);
-  else
+  } else {
     panel<MR>(x, W.f + p * K * kPanel, b, y, K, N, p * kPanel, relu);
+  }
 }
 
 // y [M, N] = x [M, K] W^T + b, then ReLU when asked: nn.Linear, its weight packed by lib/fast_decode.py
@@ -162,8 +230,8 @@ void layer_norm(const float* x, const float* g, const float* b, float* y, int64_
 }
 
 struct Model {
-  std::vector<torch::Tensor> w;  // the weight list, contiguous: float32, the linear weights float32 or int8
-  std::vector<torch::Tensor> s;  // per entry of w: an int8 weight's scales [N], else an empty tensor
+  std::vector<torch::Tensor> w;  // the weight list, contiguous: float32, the linear weights float32, int8, int4
+  std::vector<torch::Tensor> s;  // per entry of w: an int8 or int4 weight's scales (weight_of), else empty
   int64_t n_layers, n_heads, d_model, d_head, d_ff, vocab;
   double eps;
   const float* p(int64_t i) const { return w[i].data_ptr<float>(); }
@@ -313,7 +381,8 @@ torch::Tensor generate(const std::vector<torch::Tensor>& w, const std::vector<to
   return out;
 }
 
-// linear_op: x [M, K] through one packed weight (float32, or int8 with its scales [N]) plus b [N] -> [M, N]:
+// linear_op: x [M, K] through one packed weight (float32; int8 with its scales; int4 with its groups'
+// scales and offsets: see weight_of) plus b [N] -> [M, N]:
 // the kernel of every linear layer above, on its own (lib/fast_decode.py's linear, the benchmarks).
 torch::Tensor linear_op(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor b) {
   const int64_t M = x.size(0), K = x.size(1), N = b.size(0);

@@ -17,8 +17,8 @@ the weights change computes the old ones) and keeps the cached interface
 decoding loop, its drafts and plain decoding run on it unchanged. The math is the eager model's; only
 the order of float sums differs (tests/test_fast_decode.py: logits within 1e-4, the same tokens).
 Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (pruned ones too: every block of one shape), float32 on the CPU;
-the blocks' linear layers may be int8 per channel (lib/quantization.QuantLinear, 8 bits, RTN or GPTQ): the
-kernel then reads their int8 codes, a quarter of the bytes, and scales each column's sum.
+the blocks' linear layers may be lib/quantization.QuantLinear, int8 per channel or int4 per group (RTN or
+GPTQ): the kernel then reads their codes, a quarter or an eighth of the bytes, and applies the scales to sums.
 `linear(x, packed(w), scale, b)` is the kernel of one linear layer on its own.
 """
 import copy
@@ -34,6 +34,7 @@ from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, MultiHeadAttention_
                              kv_cache_view)
 from gptlite_gqa import GPTlite_GQA, MultiHeadAttention_GQA
 from lib.errors import GPTliteError
+from lib import quantization as qz
 from lib.quantization import QuantLinear
 from lib.harness import PATHS, compiler_problem  # the decode paths a script times its technique on (its --paths)
 
@@ -75,7 +76,7 @@ def check_model(model):
                          f"{type(model).__name__}: use its eager path (generate_kvcache)")
     if type(model.fc_out) is not nn.Linear:
         raise ValueError("the fast decode path reads the head as a float32 nn.Linear: use the eager path")
-    shapes = {tuple(t.shape for t in weight_list_of_block(b)) for b in blocks}  # linear_parts checks each layer
+    shapes = {tuple(t.shape for t in sum(block_tensors(b), [])) for b in blocks}  # linear_parts checks each layer
     if len(shapes) > 1:  # the kernel reads every block's shapes from the first
         raise ValueError("the fast decode path needs every block of one shape (heads, key/value heads, d_ff); "
                          "this model's blocks differ: use its eager path (generate_kvcache)")
@@ -97,16 +98,33 @@ def packed(weight):
     return wt.view(K, -1, PANEL).transpose(0, 1).contiguous()
 
 
+def packed_int4(q, scale, zero):
+    """An int4 weight per group of G input columns, W = (q - 8) * scale + zero (lib/quantization.quantize_int4:
+    codes q [N, K] in 0..15, scale and zero [N, K/G]), as lib/fast_decode.cpp reads it: the codes in panels of
+    32 columns, two a byte (byte j of a row: column j low, j + 16 high), [ceil(N / 32), K, 16] uint8; and per
+    panel and group the columns' scales then zero - 8 * scale, [ceil(N / 32), K/G, 2, 32] float32."""
+    p = packed(q.to(torch.uint8))  # [P, K, 32]
+    codes = (p[..., :PANEL // 2] | (p[..., PANEL // 2:] << 4)).contiguous()
+    (N, n_groups), P = scale.shape, p.shape[0]
+    sz = torch.zeros(P * PANEL, 2, n_groups)
+    sz[:N, 0], sz[:N, 1] = scale, zero - 8 * scale
+    return codes, sz.view(P, PANEL, 2, n_groups).permute(0, 3, 2, 1).contiguous()
+
+
 def linear_parts(module):
-    """A linear layer as the kernel computes it: (weight [N, K], bias [N], scale [N] or None). nn.Linear: its
-    float32 weight; an int8 QuantLinear (W = q * scale per output row): its codes and scales. Anything else
-    (int4, AWQ's input scale, W8A8, FP8) is refused, with what to do."""
+    """A linear layer as the kernel reads it: (packed weight, its scales or NO_SCALE, bias [N]). nn.Linear: its
+    float32 weight; a QuantLinear of 8 bits (W = q * scale per output row): its codes and scales; of 4 bits
+    (per group, built with kernel=False: the codes readable, not ATen's packed form): packed_int4. Anything
+    else (AWQ's input scale, W8A8, FP8) is refused, with what to do."""
     if type(module) is nn.Linear and module.bias is not None:
-        return module.weight, module.bias, None
-    if type(module) is QuantLinear and module.bits == 8 and module.input_scale is None and module.bias is not None:
-        return module.q, module.bias, module.scale
-    raise ValueError(f"the fast decode path computes float32 nn.Linear and int8 per-channel QuantLinear layers "
-                     f"with a bias; got a {type(module).__name__}"
+        return packed(module.weight), NO_SCALE, module.bias
+    if type(module) is QuantLinear and module.input_scale is None and module.bias is not None:
+        if module.bits == 8:
+            return packed(module.q), module.scale, module.bias
+        if not module.kernel:  # int4 codes packed two a byte by lib/quantization.pack
+            return (*packed_int4(qz.unpack(module.q, 4), module.scale, module.zero), module.bias)
+    raise ValueError(f"the fast decode path computes float32 nn.Linear layers and QuantLinear ones (int8; int4 "
+                     f"built with kernel=False), with a bias and no input scale; got a {type(module).__name__}"
                      f"{f' of {module.bits} bits' if hasattr(module, 'bits') else ''}: use the eager path")
 
 
@@ -115,14 +133,13 @@ def block_linears(block):
     return mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj, net[0], net[2]
 
 
-def weight_list_of_block(block, scales=None):
-    """A block's 16 tensors in lib/fast_decode.cpp's order (linear weights as the model holds them: float32,
-    or int8 codes). scales: a list that gets, per tensor, an int8 weight's scales or an empty tensor."""
+def block_tensors(block):
+    """A block's 16 tensors in lib/fast_decode.cpp's order, the linear weights packed (linear_parts), and
+    beside them their 16 scale entries."""
     q, k, v, out, ff1, ff2 = (linear_parts(m) for m in block_linears(block))
-    parts = [(block.ln1.weight, block.ln1.bias, None), q, k, v, out, (block.ln2.weight, block.ln2.bias, None), ff1, ff2]
-    if scales is not None:
-        scales += [t for _, _, scale in parts for t in (scale if scale is not None else NO_SCALE, NO_SCALE)]
-    return [t for weight, bias, _ in parts for t in (weight, bias)]
+    parts = [(block.ln1.weight, NO_SCALE, block.ln1.bias), q, k, v, out, (block.ln2.weight, NO_SCALE, block.ln2.bias),
+             ff1, ff2]
+    return [t for weight, _, bias in parts for t in (weight, bias)], [t for _, sc, _ in parts for t in (sc, NO_SCALE)]
 
 
 NO_SCALE = torch.empty(0)  # the scale entry of a float32 tensor
@@ -130,19 +147,20 @@ NO_SCALE = torch.empty(0)  # the scale entry of a float32 tensor
 
 def weight_list(model):
     """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head,
-    and beside them, per tensor, its scales (int8 weights) or an empty tensor. Linear weights are packed
+    and beside them, per tensor, its scales (int8, int4 weights) or an empty tensor. Linear weights are packed
     copies (packed); the other tensors share the model's storage."""
     w, scales = [model.token_embedding.weight, model.position_embedding.weight], [NO_SCALE, NO_SCALE]
     for block in model.blocks:
-        w += [packed(t) if t.dim() == 2 else t for t in weight_list_of_block(block, scales)]  # 2-d: the linear weights
+        tensors, block_scales = block_tensors(block)
+        w, scales = w + tensors, scales + block_scales
     w += [model.ln.weight, model.ln.bias, packed(model.fc_out.weight), model.fc_out.bias]
     scales += [NO_SCALE] * 4
     return [t.detach().contiguous() for t in w], [t.detach().float().contiguous() for t in scales]
 
 
 def linear(x, weight, scale, bias):
-    """x [M, K] @ W^T + bias by the kernel of every linear layer of the fast path: weight packed(W) (float32),
-    or packed(q) (int8) with its per-row scales (W = q * scale[:, None]); scale None for float32."""
+    """x [M, K] @ W^T + bias by the kernel of every linear layer of the fast path: weight packed(W) with scale
+    None (float32); packed(q) with q's per-row scales (int8, W = q * scale[:, None]); or packed_int4's pair."""
     return extension().linear(x.float().contiguous(), weight, NO_SCALE if scale is None else scale.float().contiguous(),
                               bias.float().contiguous())
 

@@ -35,6 +35,7 @@ MODELS = {
     # int8 per channel (RTN): the reference dequantizes and runs F.linear (kernel=False), the kernel reads the codes
     "int8 mha": lambda: qz.quantize_model(random_gptlite(), method="rtn", bits=8, kernel=False),
     "int8 gqa": lambda: qz.quantize_model(gqa_model(n_groups=2), method="rtn", bits=8, kernel=False),
+    "int4 g8 mha": lambda: qz.quantize_model(random_gptlite(), method="rtn", bits=4, group_size=8, kernel=False),
 }
 
 
@@ -178,23 +179,37 @@ def test_linear_equals_f_linear_in_float32_and_int8(M, N):
     assert (y - F.linear(x, w, b)).abs().max() > 1e-3  # the int8 codes were read, not the float weight
 
 
-def test_an_int8_view_reads_a_quarter_of_the_linear_bytes():
-    model = qz.quantize_model(random_gptlite(), method="rtn", bits=8)  # ATen's packed kernel form: the same codes
-    native = fast_decode.native_view(model)
-    int8 = [t for t in native.weights if t.dtype == torch.int8]
-    assert len(int8) == 6 * TINY["n_layers"] and all(s.numel() for s, t in zip(native.scales, native.weights)
-                                                       if t.dtype == torch.int8)
+@pytest.mark.parametrize("bits, dtype", [(8, torch.int8), (4, torch.uint8)])
+def test_a_quantized_view_reads_the_codes(bits, dtype):
+    model = qz.quantize_model(random_gptlite(), method="rtn", bits=bits, group_size=8, kernel=bits == 8)
+    native = fast_decode.native_view(model)  # int8: ATen's kernel form holds the same codes
+    codes = [t for t in native.weights if t.dtype == dtype]
+    assert len(codes) == 6 * TINY["n_layers"] and all(s.numel() for s, t in zip(native.scales, native.weights)
+                                                        if t.dtype == dtype)
     prompt = tokens(2, 4)
     assert torch.equal(fast_decode.generate_fast(native, prompt, 10, TINY["seqlen"]),
                        generate_kvcache(kv_cache_view(model), prompt, 10, TINY["seqlen"]))
 
 
-@pytest.mark.parametrize("kwargs, what", [(dict(method="rtn", bits=4, group_size=8, kernel=False), "of 4 bits"),
+@pytest.mark.parametrize("M", [1, 2, 3, 5])  # int4 tiles: two rows, then one
+@pytest.mark.parametrize("N, G", [(32, 8), (45, 32), (45, 64)])  # a padded last panel; one group per row
+def test_linear_equals_f_linear_in_int4(M, N, G):
+    """int4 per group (W = (q - 8) * scale + zero): F.linear on the dequantized weight."""
+    g = torch.Generator().manual_seed(M * N + G)
+    x, w, b = (torch.randn(*shape, generator=g) for shape in ((M, 64), (N, 64), (N,)))
+    q, scale, zero = qz.quantize_int4(w, G)
+    y = fast_decode.linear(x, *fast_decode.packed_int4(q, scale, zero), b)
+    torch.testing.assert_close(y, F.linear(x, qz.dequantize(q, scale, zero, G), b), atol=ATOL, rtol=0)
+    assert (y - F.linear(x, w, b)).abs().max() > 1e-2  # the 4-bit codes were read
+
+
+@pytest.mark.parametrize("kwargs, what", [(dict(method="rtn", bits=4, group_size=16), "of 4 bits"),  # ATen's packing
                                           (dict(method="w8a8", alpha=None), "W8A8Linear"),
                                           (dict(method="fp8"), "FP8Linear")])
 def test_other_quantized_layers_are_refused(kwargs, what):
     calibration = tokens(2, TINY["seqlen"])
-    model = qz.quantize_model(random_gptlite(), calibration=calibration, **kwargs)
+    model = randomized(GPTlite(**dict(TINY, n_heads=2, d_head=16)))  # widths of 32: ATen's int4 packing needs 16 | N
+    model = qz.quantize_model(model, calibration=calibration, **kwargs)
     with pytest.raises(ValueError, match=what):
         fast_decode.native_view(model)
 

@@ -164,11 +164,12 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert rows["int4 g32, RTN"]["bits_per_weight"] < rows["int8 per channel, RTN"]["bits_per_weight"] < 12
     assert rows["KIVI 2-bit KV cache"]["kv_bytes_per_token"] < rows["KIVI 4-bit KV cache"]["kv_bytes_per_token"] < 4096
     paths, bench = (t["rows"] for t in result["tables"])
-    assert [(r["variant"], r["path"]) for r in paths] == [(v, p) for p in ("eager", "fast") for v in mq.FAST_VARIANTS]
+    assert [(r["variant"], r["path"]) for r in paths] == [(v, p) for p in ("eager", "fast") for v in mq.fast_variants(32)]
     assert all(r["vs_float32_b1"] in (1.0, None) for r in paths if r["variant"] == "float32")  # None: TPOT in the noise
-    assert [r["variant"] for r in bench][4:] == ["float32 fast path kernel", "int8 fast path kernel"]
-    assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1]  # 256 x 256 float32 (and a zero bias), int8 and scales
-    assert sum("fast path" in check for check in result["checks"]) == 4 and all(result["checks"].values())
+    assert [r["variant"] for r in bench][4:] == ["float32 fast path kernel", "int8 fast path kernel",
+                                                 "int4 g32 fast path kernel"]
+    assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1, 0.0]  # 256 x 256: float32 (and a zero bias), int8, int4
+    assert sum("fast path" in check for check in result["checks"]) == 4 + 3 and all(result["checks"].values())
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
