@@ -282,9 +282,13 @@ def main(argv=None):
         f"{args.kv_block}-token blocks, the latest (up to {args.kv_block - 1}) tokens in float32",
         f"benchmark: x [1, {args.bench_size}] @ W^T, W [{args.bench_size}, {args.bench_size}]; last-level cache "
         f"{(last_level_cache_bytes() or 0) / 2**20:.0f} MiB; median of {args.repeats + 2}, round-robin"]
-    summary += [f"int8 / float32 TPOT, batch {b}: " + "; ".join(
-        f"{r['path']} {r[f'vs_float32_b{b}']:.2f}x" for r in path_rows if r["variant"] != "float32"
-        and r[f"vs_float32_b{b}"] is not None) for b in (1, 8)]
+    for b in (1, 8):  # each quantized variant's speed against float32, on each path
+        ratios = {}
+        for r in path_rows:
+            if r["variant"] != "float32" and r[f"vs_float32_b{b}"] is not None:
+                ratios.setdefault(r["variant"], []).append(f"{r['path']} {r[f'vs_float32_b{b}']:.2f}x")
+        summary += [f"batch {b}, float32's TPOT / this one's: " + "; ".join(
+            f"{name} {', '.join(v)}" for name, v in ratios.items())]
     best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
     headline = dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
                     figure=f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss "
