@@ -251,6 +251,25 @@ def parse_args(argv):
     return (args, *harness.setup(args, parser, check_args))
 
 
+def summary_lines(checks, path_rows, args):
+    """The lines under the table: the checks, what the columns mean, and each quantized variant's speed
+    against float32 on each path."""
+    summary = list(checks) + [
+        "bits_per_weight: 8 x the serialized state dict's bytes / the float model's parameters; token_agreement: the "
+        f"share of greedy tokens (8 prompts x {args.n_tokens}) equal to float32's at the same position; KIVI: "
+        f"{args.kv_block}-token blocks, the latest (up to {args.kv_block - 1}) tokens in float32",
+        f"benchmark: x [1, {args.bench_size}] @ W^T, W [{args.bench_size}, {args.bench_size}]; last-level cache "
+        f"{(last_level_cache_bytes() or 0) / 2**20:.0f} MiB; median of {args.repeats + 2}, round-robin"]
+    for b in (1, 8):  # each quantized variant's speed against float32, on each path
+        ratios = {}
+        for r in path_rows:
+            if r["variant"] != "float32" and r[f"vs_float32_b{b}"] is not None:
+                ratios.setdefault(r["variant"], []).append(f"{r['path']} {r[f'vs_float32_b{b}']:.2f}x")
+        summary += [f"batch {b}, float32's TPOT / this one's: " + "; ".join(
+            f"{name} {', '.join(v)}" for name, v in ratios.items())]
+    return summary
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
@@ -276,19 +295,7 @@ def main(argv=None):
     harness.require_checks(checks)
     rows, path_rows = measure(models, plain, diffs, fns, prompts, tokens, data, args, preset)
     bench = matmul_benchmark(layers, x, args.repeats + 2)
-    summary = list(checks) + [
-        "bits_per_weight: 8 x the serialized state dict's bytes / the float model's parameters; token_agreement: the "
-        f"share of greedy tokens (8 prompts x {args.n_tokens}) equal to float32's at the same position; KIVI: "
-        f"{args.kv_block}-token blocks, the latest (up to {args.kv_block - 1}) tokens in float32",
-        f"benchmark: x [1, {args.bench_size}] @ W^T, W [{args.bench_size}, {args.bench_size}]; last-level cache "
-        f"{(last_level_cache_bytes() or 0) / 2**20:.0f} MiB; median of {args.repeats + 2}, round-robin"]
-    for b in (1, 8):  # each quantized variant's speed against float32, on each path
-        ratios = {}
-        for r in path_rows:
-            if r["variant"] != "float32" and r[f"vs_float32_b{b}"] is not None:
-                ratios.setdefault(r["variant"], []).append(f"{r['path']} {r[f'vs_float32_b{b}']:.2f}x")
-        summary += [f"batch {b}, float32's TPOT / this one's: " + "; ".join(
-            f"{name} {', '.join(v)}" for name, v in ratios.items())]
+    summary = summary_lines(checks, path_rows, args)
     best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
     headline = dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
                     figure=f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss "

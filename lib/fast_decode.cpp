@@ -66,57 +66,40 @@ inline void widen4(const uint8_t* p, v8* w) {
 #endif
 }
 
-// Rows x [MR, K] times one weight panel Wp [K, 32] (columns n0 .. n0+31, zero past N) plus b, into y: the
-// register tile of a matrix product. Per k, four loads of the panel's row serve MR rows of x and each
-// x[m, k] (broadcast) four vectors: at MR = 4 that is 8 loads for 16 vector multiply-adds, with no
-// horizontal sums, and the panel is read in order, once per MR rows.
+// The tile's column sums into y: times each column's scale (none: 1), plus b, ReLU when asked; the
+// columns past N (a padded panel) are dropped.
 template <int MR>
-void panel(const float* x, const float* Wp, const float* b, float* y, int64_t K, int64_t N, int64_t n0, bool relu) {
-  v8 acc[MR][4] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const v8 w0 = load8(Wp + k * kPanel), w1 = load8(Wp + k * kPanel + 8), w2 = load8(Wp + k * kPanel + 16),
-             w3 = load8(Wp + k * kPanel + 24);
-    for (int i = 0; i < MR; ++i) {
-      const float xi = x[i * K + k];
-      acc[i][0] += xi * w0;
-      acc[i][1] += xi * w1;
-      acc[i][2] += xi * w2;
-      acc[i][3] += xi * w3;
-    }
-  }
+void store(const v8 (&acc)[MR][4], const float* scale, const float* b, float* y, int64_t N, int64_t n0, bool relu) {
   const int64_t n_cols = std::min(kPanel, N - n0);
   for (int i = 0; i < MR; ++i)
     for (int64_t c = 0; c < n_cols; ++c) {
-      const float v = acc[i][c / 8][c % 8] + b[n0 + c];
+      const float v = acc[i][c / 8][c % 8] * (scale ? scale[n0 + c] : 1.f) + b[n0 + c];
       y[i * N + n0 + c] = relu && v < 0.f ? 0.f : v;
     }
 }
 
-// The int8 form of panel: Wq holds the codes q [K, 32] of a per-channel quantized weight (W = q * scale,
-// one scale per output column), read as 8-bit integers and widened to float in registers, a quarter of
-// the float32 panel's bytes. The scale multiplies each column's sum once: sum_k x[k] q[k, c] * scale[c]
-// is the dequantized product up to the order of the float roundings.
-template <int MR>
-void panel_q8(const float* x, const int8_t* Wq, const float* scale, const float* b, float* y, int64_t K, int64_t N,
-              int64_t n0, bool relu) {
+// Rows x [MR, K] times one weight panel [K, 32] (columns n0 .. n0+31, zero past N) plus b, into y: the
+// register tile of a matrix product. Per k, four loads of the panel's row serve MR rows of x and each
+// x[m, k] (broadcast) four vectors: at MR = 4 that is 8 loads for 16 vector multiply-adds, with no
+// horizontal sums, and the panel is read in order, once per MR rows.
+// load_row(k, w) puts row k of the panel in four vectors: float32 panels are loaded as they are; int8 ones
+// (the codes q [K, 32] of a per-channel quantized weight, W = q * scale, one scale per output column) are
+// read as 8-bit integers and widened to float in registers, a quarter of the float32 panel's bytes, and the
+// scale multiplies each column's sum once (store): sum_k x[k] q[k, c] * scale[c] is the dequantized
+// product up to the order of the float roundings.
+template <int MR, typename LoadRow>
+void panel(const float* x, LoadRow load_row, const float* scale, const float* b, float* y, int64_t K, int64_t N,
+           int64_t n0, bool relu) {
   v8 acc[MR][4] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const int8_t* q = Wq + k * kPanel;
-    const v8 w0 = widen8(q), w1 = widen8(q + 8), w2 = widen8(q + 16), w3 = widen8(q + 24);
+    v8 w[4];
+    load_row(k, w);
     for (int i = 0; i < MR; ++i) {
       const float xi = x[i * K + k];
-      acc[i][0] += xi * w0;
-      acc[i][1] += xi * w1;
-      acc[i][2] += xi * w2;
-      acc[i][3] += xi * w3;
+      for (int j = 0; j < 4; ++j) acc[i][j] += xi * w[j];
     }
   }
-  const int64_t n_cols = std::min(kPanel, N - n0);
-  for (int i = 0; i < MR; ++i)
-    for (int64_t c = 0; c < n_cols; ++c) {
-      const float v = acc[i][c / 8][c % 8] * scale[n0 + c] + b[n0 + c];
-      y[i * N + n0 + c] = relu && v < 0.f ? 0.f : v;
-    }
+  store<MR>(acc, scale, b, y, N, n0, relu);
 }
 
 // The int4 form of panel, for MR <= 2: Wq [K, 16] holds a weight quantized per group of G input rows k,
@@ -145,12 +128,7 @@ void panel_q4(const float* x, const uint8_t* Wq, const float* sz, int64_t G, con
       for (int i = 0; i < MR; ++i) acc[i][j] += sj * part[i][j] + xs[i] * zj;
     }
   }
-  const int64_t n_cols = std::min(kPanel, N - n0);
-  for (int i = 0; i < MR; ++i)
-    for (int64_t c = 0; c < n_cols; ++c) {
-      const float v = acc[i][c / 8][c % 8] + b[n0 + c];
-      y[i * N + n0 + c] = relu && v < 0.f ? 0.f : v;
-    }
+  store<MR>(acc, nullptr, b, y, N, n0, relu);
 }
 
 // A linear layer's weight as the kernels read it: float32 panels; int8 panels and their scales; or int4
@@ -190,9 +168,13 @@ void tile(const float* x, const Weight& W, int64_t p, const float* b, float* y, 
     for (int i = 0; i + 2 <= MR; i += 2) panel_q4<2>(x + i * K, Wq, sz, W.group, b, y + i * N, K, N, p * kPanel, relu);
     if (MR % 2) panel_q4<1>(x + (MR - 1) * K, Wq, sz, W.group, b, y + (MR - 1) * N, K, N, p * kPanel, relu);
   } else if (W.q) {
-    panel_q8<MR>(x, W.q + p * K * kPanel, W.scale, b, y, K, N, p * kPanel, relu);
+    const int8_t* Wq = W.q + p * K * kPanel;
+    panel<MR>(x, [Wq](int64_t k, v8* w) { for (int j = 0; j < 4; ++j) w[j] = widen8(Wq + k * kPanel + 8 * j); },
+              W.scale, b, y, K, N, p * kPanel, relu);
   } else {
-    panel<MR>(x, W.f + p * K * kPanel, b, y, K, N, p * kPanel, relu);
+    const float* Wf = W.f + p * K * kPanel;
+    panel<MR>(x, [Wf](int64_t k, v8* w) { for (int j = 0; j < 4; ++j) w[j] = load8(Wf + k * kPanel + 8 * j); },
+              nullptr, b, y, K, N, p * kPanel, relu);
   }
 }
 
