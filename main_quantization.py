@@ -131,7 +131,7 @@ def kv_bytes_per_token(model, bits, block, prompts):
 
 def bench_layers(size, paths):
     """The benchmark's layers on one matrix W [size, size] and its input x [1, size]: float32, dequantize-then-
-    matmul int8, ATen's int8 and int4 kernels, and (fast in paths) the fast path's kernel on float32 and int8."""
+    matmul int8, ATen's int8 and int4 kernels, and (fast in paths) the fast path's kernel on float32, int8 and int4."""
     torch.manual_seed(0)
     linear = nn.Linear(size, size)
     nn.init.zeros_(linear.bias)  # the fast kernel adds a bias: zeros, [size] floats beside size^2 weights

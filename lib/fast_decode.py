@@ -76,10 +76,6 @@ def check_model(model):
                          f"{type(model).__name__}: use its eager path (generate_kvcache)")
     if type(model.fc_out) is not nn.Linear:
         raise ValueError("the fast decode path reads the head as a float32 nn.Linear: use the eager path")
-    shapes = {tuple(t.shape for t in sum(block_tensors(b), [])) for b in blocks}  # linear_parts checks each layer
-    if len(shapes) > 1:  # the kernel reads every block's shapes from the first
-        raise ValueError("the fast decode path needs every block of one shape (heads, key/value heads, d_ff); "
-                         "this model's blocks differ: use its eager path (generate_kvcache)")
     p = model.fc_out.weight
     if p.device.type != "cpu" or p.dtype != torch.float32:
         raise ValueError(f"the fast decode path is float32 on the CPU; the model is {p.dtype} on {p.device}: "
@@ -150,8 +146,11 @@ def weight_list(model):
     and beside them, per tensor, its scales (int8, int4 weights) or an empty tensor. Linear weights are packed
     copies (packed); the other tensors share the model's storage."""
     w, scales = [model.token_embedding.weight, model.position_embedding.weight], [NO_SCALE, NO_SCALE]
-    for block in model.blocks:
-        tensors, block_scales = block_tensors(block)
+    per_block = [block_tensors(block) for block in model.blocks]  # linear_parts checks each layer
+    if len({tuple(t.shape for t in tensors + sc) for tensors, sc in per_block}) > 1:  # the kernel reads block 0's
+        raise ValueError("the fast decode path needs every block of one shape (heads, key/value heads, d_ff); "
+                         "this model's blocks differ: use its eager path (generate_kvcache)")
+    for tensors, block_scales in per_block:
         w, scales = w + tensors, scales + block_scales
     w += [model.ln.weight, model.ln.bias, packed(model.fc_out.weight), model.fc_out.bias]
     scales += [NO_SCALE] * 4
@@ -197,10 +196,11 @@ def native_view(model):
     if type(model) is GPTlite_Native:
         return model
     check_model(model)
+    weights, scales = weight_list(model)  # refuses a layer or block shape the kernel does not compute
     extension()
     view = copy.copy(kv_cache_view(model))
     view.__class__ = GPTlite_Native
-    view.__dict__["weights"], view.__dict__["scales"] = weight_list(model)
+    view.__dict__["weights"], view.__dict__["scales"] = weights, scales
     return view
 
 
