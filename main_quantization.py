@@ -19,7 +19,10 @@ size read from the machine), where the weights' bytes do bind, float32 against i
 Decode paths (--paths): `eager` (PyTorch operators: every row above) and `fast` (lib/fast_decode.py, the whole
 step as one C++ call), where float32, int8 per channel (RTN) and int4 per group (RTN, GPTQ) are timed again, in
 the same round-robin: the fast kernel reads the int8 and int4 codes themselves. The benchmark then times the
-fast path's kernel, float32, int8 and int4, on the same large matrix.
+fast path's kernel, float32, int8 and int4, on the same large matrix, beside one plain read of that matrix (the
+machine's read bandwidth, measured in this run). A third table decodes at the post's gptlite shape (70 MB of
+float32 weights, more than the cache; random weights, so only time is measured) on the fast path in float32,
+bfloat16, int8 and int4: TPOT against the bytes each step reads, the plot's third panel.
 
 Checks first: each weight-only variant's packed kernel gives the logits of its dequantize-then-matmul form
 (atol 1e-4). Nothing is timed or written unless they hold.
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
 from lib import corpus, fast_decode, harness, quantization as qz, training
+from lib.presets import PRESETS
 
 ATOL = 1e-4  # float32 logits: the packed kernels sum the same products in another order
 TORCHAO = "torchao==0.18.0"
@@ -129,6 +133,9 @@ def kv_bytes_per_token(model, bits, block, prompts):
     return iu.kv_cache_bytes(held) / prompts.numel()
 
 
+MEMORY_READ = "memory read (the float32 W, summed)"
+
+
 def bench_layers(size, paths):
     """The benchmark's layers on one matrix W [size, size] and its input x [1, size]: float32, dequantize-then-
     matmul int8, ATen's int8 and int4 kernels, and (fast in paths) the fast path's kernel on float32, int8 and int4."""
@@ -140,7 +147,7 @@ def bench_layers(size, paths):
               "int8 _weight_int8pack_mm": int8, "int4 g32 _weight_int4pack_mm_for_cpu": qz.rtn(linear, 4, 32)}
     if "fast" in paths:
         layers |= {"float32 fast path kernel": FastLinear(linear), "int8 fast path kernel": FastLinear(int8),
-                   "int4 g32 fast path kernel": FastLinear(int4)}
+                   "int4 g32 fast path kernel": FastLinear(int4), MEMORY_READ: MemoryRead(linear.weight.detach())}
     return layers, torch.randn(1, size)
 
 
@@ -168,8 +175,10 @@ def matmul_benchmark(layers, x, repeats):
         ms = iu.median(times[name]) * 1e3
         rows.append(dict(variant=name, weight_mb=round(nbytes / 2**20, 1), ms=round(ms, 3),
                          weight_GB_per_s=round(nbytes / ms / 1e6, 1)))
+    bandwidth = next((r["weight_GB_per_s"] for r in rows if r["variant"] == MEMORY_READ), None)
     for row in rows:
         row["speedup_vs_float32"] = round(rows[0]["ms"] / row["ms"], 2)
+        row["share_of_bandwidth"] = None if bandwidth is None else round(row["weight_GB_per_s"] / bandwidth, 2)
     return rows
 
 
@@ -188,6 +197,83 @@ class FastLinear(nn.Module):
         return fast_decode.linear(x, self.weight, self.scale, self.bias)
 
 
+class MemoryRead(nn.Module):
+    """The benchmark's bandwidth row: one read of `tensor` (lib/fast_decode.read_sum), x ignored."""
+
+    def __init__(self, tensor):
+        super().__init__()
+        self.register_buffer("tensor", tensor)
+
+    def forward(self, x):
+        return fast_decode.read_sum(self.tensor)
+
+
+SHAPE = "gptlite"  # the memory-bound shape: the post's model, 70 MB of float32 weights
+
+
+def shape_variants(group_size, seed):
+    """The post's gptlite shape with random weights (only time is measured there: quality is the trained cpu
+    preset's) on the fast path, float32, bfloat16, int8 and int4 weights: {name: (its native view, the eager
+    model it computes: rounded or dequantize-then-matmul weights)}."""
+    torch.manual_seed(seed)
+    model = GPTlite_KVCache(**PRESETS[SHAPE].gptlite_kwargs()).eval()
+    G = group_size
+    int8, int4 = (qz.quantize_model(model, "rtn", bits, G, kernel=False) for bits in (8, 4))
+    return {"float32": (fast_decode.native_view(model), model),
+            "bfloat16": (fast_decode.native_view(model, torch.bfloat16), fast_decode.rounded_to(model, torch.bfloat16)),
+            "int8 per channel, RTN": (fast_decode.native_view(int8), int8),
+            f"int4 g{G}, RTN": (fast_decode.native_view(int4), int4)}
+
+
+def bytes_per_token(view, context):
+    """Bytes one decoding step of `view` reads at batch 1: its weights (the embedding tables one row each) and
+    scales, and the KV cache of `context` tokens. Returns (weight bytes, KV bytes)."""
+    weights = 2 * view.weights[0].shape[1] * 4 + sum(t.nbytes for t in view.weights[2:] + view.scales)
+    c = view.config
+    return weights, context * c.n_layers * 2 * c.n_heads * c.d_head * 4
+
+
+SHAPE_TITLE = (f"Decoding at the {SHAPE} shape (random weights: time only), batch 1; tpot_vs_float32: this TPOT / "
+               "float32's on the fast path; at_bandwidth_ms: bytes_per_token at the measured read bandwidth")
+
+
+@torch.inference_mode()
+def shape_checks(variants, prompts, n_tokens):
+    """{check: ok}: each shape variant's greedy tokens on the fast path equal those of the eager model it computes."""
+    checks = {}
+    for name, (view, eager) in variants.items():
+        ok = torch.equal(fast_decode.generate_fast(view, prompts, n_tokens, view.seqlen),
+                         generate_kvcache(eager, prompts, n_tokens, eager.seqlen))
+        checks[f"{SHAPE} shape, {name}, fast path: greedy tokens = the eager model's "
+               f"({'rounded' if name == 'bfloat16' else 'dequantize + matmul' if name != 'float32' else 'float32'})"] = ok
+    return checks
+
+
+def shape_rows(variants, prompt, n_tokens, repeats, bandwidth, llc):
+    """Each variant's greedy decoding at batch 1 on the fast path, round-robin with eager float32: TPOT,
+    tpot_vs_float32 (this TPOT / float32's on the fast path), bytes read per token and the time that many bytes
+    take at the measured `bandwidth` (GB/s), and whether the weights fit the last-level cache."""
+    fns = {(name, "fast"): (lambda n, v=v: fast_decode.generate_fast(v, prompt, n, v.seqlen))
+           for name, (v, _) in variants.items()}
+    eager = variants["float32"][1]
+    fns["float32", "eager"] = lambda n: generate_kvcache(eager, prompt, n, eager.seqlen)
+    timing = iu.compare_generation(fns, n_tokens, 1, repeats=repeats)
+    context = prompt.shape[1] + n_tokens / 2  # the mean context of the timed steps
+    rows = []
+    for (name, path), t in timing.items():
+        weight_bytes, kv_bytes = bytes_per_token(variants[name][0], context)
+        total = weight_bytes + kv_bytes
+        rows.append(harness.make_row(
+            name, shape=SHAPE, path=path, tpot_b1_ms=t["tpot_ms"],
+            tpot_vs_float32=iu.ratio(t["tpot_ms"], timing["float32", "fast"]["tpot_ms"]) if path == "fast" else None,
+            bytes_per_token=round(total), weight_mb=round(weight_bytes / 2**20, 2),
+            kv_mb=round(kv_bytes / 2**20, 2), at_bandwidth_ms=round(total / bandwidth / 1e6, 3),
+            in_cache="yes" if weight_bytes <= llc else "no"))
+    for r in rows:
+        r["tpot_vs_float32"] = None if r["tpot_vs_float32"] is None else round(r["tpot_vs_float32"], 2)
+    return rows
+
+
 def last_level_cache_bytes():
     """The largest CPU cache (Linux sysfs), or None when it cannot be read."""
     sizes = []
@@ -197,8 +283,9 @@ def last_level_cache_bytes():
     return max(sizes) if sizes else None
 
 
-def plot_results(rows, bench, preset, device):
-    fig, (ax_loss, ax_bench) = harness.new_figure(2)
+def plot_results(rows, bench, shape_table, bandwidth, llc, preset, device):
+    fig, (ax_loss, ax_bench, ax_bytes) = harness.new_figure(3)
+    plot_bytes(ax_bytes, shape_table, bandwidth, llc)
     for r in rows:
         if r["bits_per_weight"] is not None and r["val_loss"] is not None:
             ax_loss.scatter(r["bits_per_weight"], r["loss_change"])
@@ -206,11 +293,32 @@ def plot_results(rows, bench, preset, device):
     ax_loss.axhline(0, color="gray", linewidth=0.8)
     ax_loss.set(xlabel="bits per weight (scales and float parts included)", ylabel="validation loss - float32's",
                 title=f"quality against size (preset {preset.name})")
-    ax_bench.bar(range(len(bench)), [b["speedup_vs_float32"] for b in bench])
-    ax_bench.set_xticks(range(len(bench)), [b["variant"].replace(" ", "\n", 1) for b in bench], fontsize=7)
-    ax_bench.axhline(1, color="gray", linewidth=0.8)
-    ax_bench.set(ylabel="speedup over float32", title=f"x @ W^T, W {bench[0]['weight_mb']:.0f} MB in float32 ({device})")
+    ax_bench.barh(range(len(bench)), [b["speedup_vs_float32"] for b in bench])
+    ax_bench.set_yticks(range(len(bench)), [b["variant"] for b in bench], fontsize=7)
+    ax_bench.invert_yaxis()
+    ax_bench.axvline(1, color="gray", linewidth=0.8)
+    ax_bench.set(xlabel="speedup over float32 (F.linear)",
+                 title=f"x @ W^T, W {bench[0]['weight_mb']:.0f} MB in float32 ({device})")
     return fig
+
+
+def plot_bytes(ax, shape_table, bandwidth, llc):
+    """TPOT against the bytes read per token at the gptlite shape, with the time those bytes take at the measured
+    bandwidth (a line) and the last-level cache's size: decode is memory-bound where the points meet the line."""
+    fast = [r for r in shape_table if r["path"] == "fast" and r["tpot_b1_ms"] is not None]
+    if not fast or bandwidth is None:
+        ax.set_axis_off()
+        return
+    for r in fast:
+        ax.scatter(r["bytes_per_token"] / 2**20, r["tpot_b1_ms"])
+        ax.annotate(r["variant"], (r["bytes_per_token"] / 2**20, r["tpot_b1_ms"]), fontsize=7)
+    top = 1.1 * max(r["bytes_per_token"] for r in fast) / 2**20
+    ax.plot([0, top], [0, top * 2**20 / bandwidth / 1e6], color="gray", linestyle="--",
+            label=f"bytes / measured bandwidth ({bandwidth:.0f} GB/s)")
+    ax.axvline(llc / 2**20, color="tab:red", linewidth=0.8, label=f"last-level cache ({llc / 2**20:.0f} MiB)")
+    ax.set(xlabel="MiB read per token (weights + KV cache)", ylabel="TPOT (ms), fast path, batch 1",
+           title=f"decode is memory-bound: {SHAPE} shape", xlim=(0, top), ylim=(0, None))
+    ax.legend(fontsize=7)
 
 
 def parse_args(argv):
@@ -231,11 +339,12 @@ def parse_args(argv):
 
     def check_args(preset):
         harness.check_paths(parser, args, harness.get_device(args.device))
-        for width in (preset.d_model, preset.n_heads * preset.d_head, 4 * preset.d_model):
-            try:
-                qz.check_group(width, args.group_size)
-            except ValueError as e:
-                parser.error(f"--group-size: {e}")
+        for p in (preset, PRESETS[SHAPE]):  # the trained model's widths and the timed shape's
+            for width in (p.d_model, p.n_heads * p.d_head, 4 * p.d_model):
+                try:
+                    qz.check_group(width, args.group_size)
+                except ValueError as e:
+                    parser.error(f"--group-size: {e} (preset {p.name})")
         bad = [b for b in args.kv_bits if b not in qz.KV_BITS]
         if bad:
             parser.error(f"--kv-bits {bad}: KIVI here stores {qz.KV_BITS} bits per value")
@@ -292,9 +401,14 @@ def main(argv=None):
     checks |= {f"{name}, fast path: greedy tokens = the eager path's": torch.equal(tokens[name, "fast"],
                                                                                     tokens[name, "eager"])
                for name, path in fns if path == "fast"}
+    shape = shape_variants(args.group_size, args.seed) if fast else {}
+    checks |= shape_checks(shape, prompts[:2], args.n_tokens)
     harness.require_checks(checks)
     rows, path_rows = measure(models, plain, diffs, fns, prompts, tokens, data, args, preset)
     bench = matmul_benchmark(layers, x, args.repeats + 2)
+    bandwidth = next((b["weight_GB_per_s"] for b in bench if b["variant"] == MEMORY_READ), None)
+    llc = last_level_cache_bytes() or 32 * 2**20
+    shape_table = shape_rows(shape, prompts[:1], args.n_tokens, args.repeats, bandwidth, llc) if shape else []
     summary = summary_lines(checks, path_rows, args)
     best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
     headline = dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
@@ -304,8 +418,10 @@ def main(argv=None):
     harness.report(args, "main_quantization.py", preset, device, rows, headline, summary=summary,
                    tables=[harness.table("Greedy decoding on each path (TPOT ms; vs_float32: float32's TPOT on the "
                                          "same path / this one's)", path_rows),
-                           harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)],
-                   plot=lambda: plot_results(rows, bench, preset, device), checks=checks)
+                           harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)]
+                   + ([harness.table(SHAPE_TITLE, shape_table)] if shape_table else []),
+                   plot=lambda: plot_results(rows, bench, shape_table, bandwidth, llc, preset, device), checks=checks,
+                   bandwidth_GB_per_s=bandwidth, last_level_cache_bytes=llc)
 
 
 def measure(models, plain, diffs, fns, prompts, tokens, data, args, preset):

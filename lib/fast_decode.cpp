@@ -46,6 +46,21 @@ inline v8 widen8(const int8_t* p) {
 #endif
 }
 
+// Eight bfloat16 values widened to float32, exactly: a bfloat16 is the top half of a float32's bits.
+inline v8 widen_bf16(const uint16_t* p) {
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+    __builtin_memcpy(&v[i], &bits, sizeof bits);
+  }
+  return v;
+#endif
+}
+
 constexpr int64_t kPanel = 32;  // columns per weight panel: four vectors of eight
 
 // One row of an int4 panel, 16 bytes (byte j: column j in its low nibble, column j + 16 in its high one),
@@ -82,7 +97,8 @@ void store(const v8 (&acc)[MR][4], const float* scale, const float* b, float* y,
 // register tile of a matrix product. Per k, four loads of the panel's row serve MR rows of x and each
 // x[m, k] (broadcast) four vectors: at MR = 4 that is 8 loads for 16 vector multiply-adds, with no
 // horizontal sums, and the panel is read in order, once per MR rows.
-// load_row(k, w) puts row k of the panel in four vectors: float32 panels are loaded as they are; int8 ones
+// load_row(k, w) puts row k of the panel in four vectors: float32 panels are loaded as they are, bfloat16
+// ones widened exactly (half the bytes, the same sums as float32 on the rounded weights); int8 ones
 // (the codes q [K, 32] of a per-channel quantized weight, W = q * scale, one scale per output column) are
 // read as 8-bit integers and widened to float in registers, a quarter of the float32 panel's bytes, and the
 // scale multiplies each column's sum once (store): sum_k x[k] q[k, c] * scale[c] is the dequantized
@@ -135,16 +151,20 @@ void panel_q4(const float* x, const uint8_t* Wq, const float* sz, int64_t G, con
 // panels and their groups' scales and offsets.
 struct Weight {
   const float* f = nullptr;
+  const uint16_t* h = nullptr;  // bfloat16
   const int8_t* q = nullptr;
   const float* scale = nullptr;
   const uint8_t* q4 = nullptr;
   int64_t group = 0;  // int4: input rows per group
 };
 
-// w: float32 [P, K, 32]; int8 [P, K, 32] with scale [N]; uint8 (int4) [P, K, 16] with scale [P, K / G, 2, 32].
+// w: float32 or bfloat16 [P, K, 32]; int8 [P, K, 32] with scale [N]; uint8 (int4) [P, K, 16] with scale
+// [P, K / G, 2, 32].
 Weight weight_of(const torch::Tensor& w, const torch::Tensor& scale) {
   Weight W;
-  if (w.scalar_type() == torch::kChar) {
+  if (w.scalar_type() == torch::kBFloat16) {
+    W.h = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  } else if (w.scalar_type() == torch::kChar) {
     W.q = w.data_ptr<int8_t>();
     W.scale = scale.data_ptr<float>();
   } else if (w.scalar_type() == torch::kByte) {
@@ -171,6 +191,10 @@ void tile(const float* x, const Weight& W, int64_t p, const float* b, float* y, 
     const int8_t* Wq = W.q + p * K * kPanel;
     panel<MR>(x, [Wq](int64_t k, v8* w) { for (int j = 0; j < 4; ++j) w[j] = widen8(Wq + k * kPanel + 8 * j); },
               W.scale, b, y, K, N, p * kPanel, relu);
+  } else if (W.h) {
+    const uint16_t* Wh = W.h + p * K * kPanel;
+    panel<MR>(x, [Wh](int64_t k, v8* w) { for (int j = 0; j < 4; ++j) w[j] = widen_bf16(Wh + k * kPanel + 8 * j); },
+              nullptr, b, y, K, N, p * kPanel, relu);
   } else {
     const float* Wf = W.f + p * K * kPanel;
     panel<MR>(x, [Wf](int64_t k, v8* w) { for (int j = 0; j < 4; ++j) w[j] = load8(Wf + k * kPanel + 8 * j); },
@@ -374,10 +398,34 @@ torch::Tensor linear_op(torch::Tensor x, torch::Tensor w, torch::Tensor scale, t
   return y;
 }
 
+// read_sum: the sum of a float32 tensor's values, read once in order by every thread's share, eight
+// accumulators of eight floats so that the adds never wait: the machine's read bandwidth, as the kernels
+// above see it (main_quantization.py times it on the benchmark's matrix).
+double read_sum(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "read_sum reads a contiguous float32 tensor");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel(), chunk = 64;  // floats per step: eight vectors
+  std::vector<double> part(at::get_num_threads(), 0.0);
+  at::parallel_for(0, n / chunk, 4096, [&](int64_t c0, int64_t c1) {
+    v8 acc[8] = {};
+    for (int64_t c = c0; c < c1; ++c)
+      for (int j = 0; j < 8; ++j) acc[j] += load8(p + c * chunk + 8 * j);
+    double total = 0.0;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 8; ++i) total += acc[j][i];
+    part[at::get_thread_num()] += total;
+  });
+  double total = 0.0;
+  for (double v : part) total += v;
+  for (int64_t i = n / chunk * chunk; i < n; ++i) total += p[i];
+  return total;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "GPTlite's cached forward pass over new tokens (see fast_decode.py)");
   module.def("generate", &generate, "greedy decoding from an empty cache (see fast_decode.py)");
   module.def("linear", &linear_op, "one linear layer on a packed weight (see fast_decode.py)");
+  module.def("read_sum", &read_sum, "the sum of a float32 tensor, read at the memory's speed (see fast_decode.py)");
 }

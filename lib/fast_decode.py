@@ -18,7 +18,8 @@ decoding loop, its drafts and plain decoding run on it unchanged. The math is th
 the order of float sums differs (tests/test_fast_decode.py: logits within 1e-4, the same tokens).
 Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (pruned ones too: every block of one shape), float32 on the CPU;
 the blocks' linear layers may be lib/quantization.QuantLinear, int8 per channel or int4 per group (RTN or
-GPTQ): the kernel then reads their codes, a quarter or an eighth of the bytes, and applies the scales to sums.
+GPTQ): the kernel then reads their codes, a quarter or an eighth of the bytes, and applies the scales to sums;
+`native_view(model, torch.bfloat16)` stores the blocks' float weights in bfloat16 (half the bytes, float32 sums).
 `linear(x, packed(w), scale, b)` is the kernel of one linear layer on its own.
 """
 import copy
@@ -107,13 +108,15 @@ def packed_int4(q, scale, zero):
     return codes, sz.view(P, PANEL, 2, n_groups).permute(0, 3, 2, 1).contiguous()
 
 
-def linear_parts(module):
+def linear_parts(module, dtype=torch.float32):
     """A linear layer as the kernel reads it: (packed weight, its scales or NO_SCALE, bias [N]). nn.Linear: its
-    float32 weight; a QuantLinear of 8 bits (W = q * scale per output row): its codes and scales; of 4 bits
+    float32 weight, stored in `dtype` (bfloat16: rounded to nearest, half the bytes); a QuantLinear of 8 bits (W = q * scale per output row): its codes and scales; of 4 bits
     (per group, built with kernel=False: the codes readable, not ATen's packed form): packed_int4. Anything
     else (AWQ's input scale, W8A8, FP8) is refused, with what to do."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"the fast decode path stores float weights in {WEIGHT_DTYPES}, got {dtype}")
     if type(module) is nn.Linear and module.bias is not None:
-        return packed(module.weight), NO_SCALE, module.bias
+        return packed(module.weight.to(dtype)), NO_SCALE, module.bias
     if type(module) is QuantLinear and module.input_scale is None and module.bias is not None:
         if module.bits == 8:
             return packed(module.q), module.scale, module.bias
@@ -129,24 +132,26 @@ def block_linears(block):
     return mha.query_proj, mha.key_proj, mha.value_proj, mha.out_proj, net[0], net[2]
 
 
-def block_tensors(block):
-    """A block's 16 tensors in lib/fast_decode.cpp's order, the linear weights packed (linear_parts), and
-    beside them their 16 scale entries."""
-    q, k, v, out, ff1, ff2 = (linear_parts(m) for m in block_linears(block))
+def block_tensors(block, dtype=torch.float32):
+    """A block's 16 tensors in lib/fast_decode.cpp's order, the linear weights packed (linear_parts, float ones
+    stored in `dtype`), and beside them their 16 scale entries."""
+    q, k, v, out, ff1, ff2 = (linear_parts(m, dtype) for m in block_linears(block))
     parts = [(block.ln1.weight, NO_SCALE, block.ln1.bias), q, k, v, out, (block.ln2.weight, NO_SCALE, block.ln2.bias),
              ff1, ff2]
     return [t for weight, _, bias in parts for t in (weight, bias)], [t for _, sc, _ in parts for t in (sc, NO_SCALE)]
 
 
 NO_SCALE = torch.empty(0)  # the scale entry of a float32 tensor
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # how the blocks' float linear weights may be stored
 
 
-def weight_list(model):
+def weight_list(model, dtype=torch.float32):
     """The weights in lib/fast_decode.cpp's order: embeddings, 16 tensors per block, final LayerNorm, head,
     and beside them, per tensor, its scales (int8, int4 weights) or an empty tensor. Linear weights are packed
-    copies (packed); the other tensors share the model's storage."""
+    copies (packed; the blocks' float ones stored in `dtype`, the head float32); the other tensors share the
+    model's storage."""
     w, scales = [model.token_embedding.weight, model.position_embedding.weight], [NO_SCALE, NO_SCALE]
-    per_block = [block_tensors(block) for block in model.blocks]  # linear_parts checks each layer
+    per_block = [block_tensors(block, dtype) for block in model.blocks]  # linear_parts checks each layer
     if len({tuple(t.shape for t in tensors + sc) for tensors, sc in per_block}) > 1:  # the kernel reads block 0's
         raise ValueError("the fast decode path needs every block of one shape (heads, key/value heads, d_ff); "
                          "this model's blocks differ: use its eager path (generate_kvcache)")
@@ -189,19 +194,39 @@ class GPTlite_Native(GPTlite_KVCache):
         return self.native_pass(idx, cache, with_head=True)  # [B, T, vocab]
 
 
-def native_view(model):
+def native_view(model, dtype=torch.float32):
     """`model` (see check_model) as a GPTlite_Native that shares its modules: the cached interface of
-    GPTlite_KVCache, computed by lib/fast_decode.cpp on the weights as they are now (weight_list).
-    Builds the extension if needed. A GPTlite_Native is returned as it is."""
+    GPTlite_KVCache, computed by lib/fast_decode.cpp on the weights as they are now (weight_list; dtype
+    bfloat16: the blocks' float linear weights stored in bfloat16, the sums still float32, which is the model
+    with those weights rounded, see rounded_to). Builds the extension if needed. A GPTlite_Native is returned
+    as it is."""
     if type(model) is GPTlite_Native:
         return model
     check_model(model)
-    weights, scales = weight_list(model)  # refuses a layer or block shape the kernel does not compute
+    weights, scales = weight_list(model, dtype)  # refuses a layer or block shape the kernel does not compute
     extension()
     view = copy.copy(kv_cache_view(model))
     view.__class__ = GPTlite_Native
     view.__dict__["weights"], view.__dict__["scales"] = weights, scales
     return view
+
+
+def rounded_to(model, dtype):
+    """A copy of `model` whose blocks' nn.Linear weights are rounded to `dtype` and back to float32: the eager
+    model that native_view(model, dtype) computes (bfloat16 to float32 is exact)."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in rounded.blocks:
+            for m in block_linears(block):
+                if type(m) is nn.Linear:
+                    m.weight.copy_(m.weight.to(dtype).float())
+    return rounded
+
+
+def read_sum(x):
+    """The sum of a float32 tensor's values by the extension, every thread reading its share once in order:
+    time it for the machine's read bandwidth (nbytes / time)."""
+    return extension().read_sum(x.float().contiguous())
 
 
 def on_path(model, path):

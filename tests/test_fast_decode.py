@@ -191,6 +191,41 @@ def test_a_quantized_view_reads_the_codes(bits, dtype):
                        generate_kvcache(kv_cache_view(model), prompt, 10, TINY["seqlen"]))
 
 
+@pytest.mark.parametrize("M", [1, 3, 5])
+def test_linear_in_bfloat16_is_f_linear_on_the_rounded_weight(M):
+    g = torch.Generator().manual_seed(M)
+    x, w, b = (torch.randn(*shape, generator=g) for shape in ((M, 70), (45, 70), (45,)))
+    y = fast_decode.linear(x, fast_decode.packed(w.bfloat16()), None, b)
+    torch.testing.assert_close(y, F.linear(x, w.bfloat16().float(), b), atol=ATOL, rtol=0)
+    assert (y - F.linear(x, w, b)).abs().max() > 1e-3  # the bfloat16 weight was read, not the float32 one
+
+
+def test_a_bfloat16_view_is_the_float32_path_on_rounded_weights():
+    """bfloat16 to float32 is exact, so the bfloat16 view computes the float32 kernel's sums on the rounded
+    weights bit for bit, and the eager rounded model's logits within atol; its linear weights take half the bytes."""
+    model = random_gptlite()
+    bf16, rounded = fast_decode.native_view(model, torch.bfloat16), fast_decode.rounded_to(model, torch.bfloat16)
+    idx = tokens(2, 9)
+    got = bf16.forward_cache(idx, StaticKVCache.for_model(model, 2))
+    assert torch.equal(got, fast_decode.native_view(rounded).forward_cache(idx, StaticKVCache.for_model(model, 2)))
+    with torch.no_grad():
+        torch.testing.assert_close(got, rounded(idx), atol=ATOL, rtol=0)  # GPTlite: logits [B, T, V]
+        assert (got - model(idx)).abs().max() > 1e-4  # the rounding shows: the weights were rounded, not read as float32
+    halves = [t for t in bf16.weights if t.dtype == torch.bfloat16]
+    assert len(halves) == 6 * TINY["n_layers"]
+    prompt = tokens(2, 4)
+    assert torch.equal(fast_decode.generate_fast(bf16, prompt, 10, TINY["seqlen"]),
+                       generate_kvcache(kv_cache_view(rounded), prompt, 10, TINY["seqlen"]))
+    with pytest.raises(ValueError, match="stores float weights in"):
+        fast_decode.native_view(model, torch.float16)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64 * 4096 * 3 + 17])  # a tail only; one step short; threads' shares and a tail
+def test_read_sum_is_the_sum(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    assert fast_decode.read_sum(x) == pytest.approx(x.double().sum().item(), abs=1e-5 * n ** 0.5)
+
+
 @pytest.mark.parametrize("M", [1, 2, 3, 5])  # int4 tiles: two rows, then one
 @pytest.mark.parametrize("N, G", [(32, 8), (45, 32), (45, 64)])  # a padded last panel; one group per row
 def test_linear_equals_f_linear_in_int4(M, N, G):

@@ -163,21 +163,31 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert all(r["kernel_eq_dequant"] == "yes" for n, r in rows.items() if n.startswith(("int8", "int4")))
     assert rows["int4 g32, RTN"]["bits_per_weight"] < rows["int8 per channel, RTN"]["bits_per_weight"] < 12
     assert rows["KIVI 2-bit KV cache"]["kv_bytes_per_token"] < rows["KIVI 4-bit KV cache"]["kv_bytes_per_token"] < 4096
-    paths, bench = (t["rows"] for t in result["tables"])
+    paths, bench, shape = (t["rows"] for t in result["tables"])
     assert [(r["variant"], r["path"]) for r in paths] == [(v, p) for p in ("eager", "fast") for v in mq.fast_variants(32)]
     assert all(r["vs_float32_b1"] in (1.0, None) for r in paths if r["variant"] == "float32")  # None: TPOT in the noise
     assert [r["variant"] for r in bench][4:] == ["float32 fast path kernel", "int8 fast path kernel",
-                                                 "int4 g32 fast path kernel"]
-    assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1, 0.0]  # 256 x 256: float32 (and a zero bias), int8, int4
-    assert sum("fast path" in check for check in result["checks"]) == 4 + 3 and all(result["checks"].values())
+                                                 "int4 g32 fast path kernel", mq.MEMORY_READ]
+    assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1, 0.0, 0.2]  # 256 x 256: float32 (and a zero bias), int8, int4
+    assert bench[-1]["share_of_bandwidth"] == 1.0 and result["bandwidth_GB_per_s"] == bench[-1]["weight_GB_per_s"] > 0
+    assert sum("fast path" in check for check in result["checks"]) == 4 + 3 + 4 and all(result["checks"].values())
+    # the gptlite shape: four weight forms on the fast path and eager float32, the bytes each step reads
+    assert [(r["variant"], r["path"]) for r in shape] == [(v, "fast") for v in ("float32", "bfloat16",
+                                                          "int8 per channel, RTN", "int4 g32, RTN")] + [("float32", "eager")]
+    assert all(r["shape"] == "gptlite" for r in shape) and shape[0]["tpot_vs_float32"] in (1.0, None)
+    weights = [r["weight_mb"] for r in shape[:4]]
+    assert weights[0] > 64 and weights[0] / 1.9 > weights[1] > weights[0] / 2 and weights[1] > 2 * weights[3]  # the head stays float32
+    assert [r["in_cache"] for r in shape] == ["no" if w > result["last_level_cache_bytes"] / 2**20 else "yes"
+                                              for w in [r["weight_mb"] for r in shape]]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_eager_path_alone_has_no_fast_rows(real_data, tmp_path):
     out_json = tmp_path / "q.json"
     mq.main(["--untrained", "--paths", "eager", "--kv-bits", "4", "--json", str(out_json)] + QUICK)
-    paths, bench = (t["rows"] for t in json.loads(out_json.read_text())["tables"])
-    assert {r["path"] for r in paths} == {"eager"} and len(bench) == 4
+    result = json.loads(out_json.read_text())
+    paths, bench = (t["rows"] for t in result["tables"])  # no shape table: it is timed on the fast path
+    assert {r["path"] for r in paths} == {"eager"} and len(bench) == 4 and result["bandwidth_GB_per_s"] is None
 
 
 def test_paths_fast_without_a_compiler_is_a_clear_error_before_any_work(capsys, monkeypatch):
