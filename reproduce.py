@@ -154,7 +154,7 @@ RUNS = [
         "TPOT and throughput against batch size: resident weights against weights streamed from disk block by block, "
         "with and without prefetch", quick=("--batch-sizes", "1", "4", "--n-tokens", "8", "--repeats", "1")),
     Run("main_quantization", "main_quantization.py", "docs/quantization.md", "quantization",
-        "validation loss change against bits per weight, and a matrix-vector product larger than the cache",
+        "validation loss change against bits per weight, a matrix-vector product larger than the cache, and TPOT against bytes per token at the gptlite shape",
         quick=("--n-tokens", "4", "--prompt-len", "8", "--repeats", "1", "--val-batches", "1", "--calib-windows", "2",
                "--bench-size", "256")),
     Run("main_sequence_parallel", "main_sequence_parallel.py", "docs/sequence_parallel.md", "sequence_parallel",
