@@ -12,6 +12,9 @@ steps; MHA gets it too, as the control), and measures again. It then times greed
 KV cache at a large batch, where the cache's reads dominate a decoding step, on each decode path of
 --paths: `eager` (PyTorch operators) and `fast` (lib/fast_decode.py, one C++ call per step, CPU only),
 where the step's time is the bytes and FLOPs that fewer key/value heads save, not operator overhead.
+A second table decodes at the post's gptlite shape (random weights and a random cache of --shape-context
+entries: time only) at --shape-batch, where the multi-head cache is ten times the weights and larger than
+the last-level cache: TPOT against the bytes a step reads, beside the machine's read bandwidth.
 
 Checks first: the conversion with n_groups == n_heads gives exactly the multi-head model's logits and
 tokens, and every variant's cached decoding gives the logits of its full forward pass. Nothing is
@@ -27,7 +30,8 @@ from gptlite import GPTlite, generate
 from gptlite_gqa import convert_mha_to_gqa  # noqa: F401 (the post's listing: main_gqa.convert_mha_to_gqa)
 from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
-from lib import attention_summary, corpus, fast_decode, files, harness, training
+from lib import attention_summary, corpus, fast_decode, files, harness, memory_bound, training
+from lib.presets import PRESETS
 
 
 @torch.inference_mode()
@@ -66,8 +70,15 @@ def on_first_path(rows):
     return [r for r in rows if r["path"] == rows[0]["path"]]
 
 
-def plot_results(rows, preset, device):
-    fig, (ax_loss, ax_time) = harness.new_figure(2)
+def plot_results(rows, shape_table, bandwidth, llc, preset, device):
+    fig, (ax_loss, ax_time, ax_bytes) = harness.new_figure(3)
+    if shape_table:
+        memory_bound.plot_bytes(
+            ax_bytes, [(f"{r['variant']} {r['path']}", r["bytes_per_step"], r["tpot_ms"]) for r in shape_table],
+            bandwidth, llc, "MiB read per step (weights + KV cache)", "TPOT (ms)",
+            f"{SHAPE} shape, batch {shape_table[0]['batch_size']}, context {shape_table[0]['context']}")
+    else:
+        ax_bytes.set_axis_off()
     first = on_first_path(rows)
     kv = [r["kv_cache_mb"] for r in first]
     ax_loss.plot(kv, [r["loss_converted"] for r in first], marker="o", linestyle="--", label="converted")
@@ -103,6 +114,12 @@ def parse_args(argv):
     add("--save-groups", type=harness.int_at_least(1), default=None,
         help="group count of the saved model (default: the smallest above 1 that is not MHA)")
     harness.add_paths_flag(parser)
+    add("--shape-batch", type=harness.int_at_least(0, 1024), default=32,
+        help=f"batch of the {SHAPE}-shape rows (random weights, time only; 0: no such rows)")
+    add("--shape-context", type=harness.int_at_least(1, 8192), default=1024,
+        help=f"cached tokens per sequence in the {SHAPE}-shape rows")
+    add("--shape-tokens", type=harness.int_at_least(2, 1024), default=16,
+        help=f"decoding steps timed per call in the {SHAPE}-shape rows")
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -110,6 +127,10 @@ def parse_args(argv):
         if args.save_groups is not None and args.save_groups not in group_counts(preset.n_heads):
             parser.error(f"--save-groups must divide n_heads={preset.n_heads}: one of {group_counts(preset.n_heads)}")
         check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
+        if args.shape_batch:
+            harness.check_fits(parser, "--shape-batch", 2 * shape_cache_bytes(args.shape_batch, args.shape_context
+                                                                              + args.shape_tokens),
+                               f"the {SHAPE}-shape caches of {args.shape_batch} x {args.shape_context} tokens")
     return (args, *harness.setup(args, parser, check_args))
 
 
@@ -119,6 +140,68 @@ def check_sizes(parser, preset, batch_size, prompt_len, n_tokens):
                        f"a batch of {batch_size} full windows")
     harness.check_fits(parser, "--n-tokens", 3 * batch_size * (prompt_len + n_tokens) * 8,
                        f"{n_tokens} new tokens for each of {batch_size} prompts")
+
+
+SHAPE = "gptlite"  # the memory-bound shape: the post's model, 70 MB of float32 weights
+SHAPE_ATOL = 1e-4  # fast path against eager logits at the shape (float32 sums in another order)
+
+
+SHAPE_TITLE = (f"Decoding at the {SHAPE} shape (random weights and cache: time only), batch {{}}, {{}} cached tokens; "
+               "tpot_vs_mha: this TPOT / MHA's on the same path; at_bandwidth_ms: bytes_per_step at the measured "
+               "read bandwidth")
+
+
+def shape_cache_bytes(batch_size, n_slots):
+    """The float32 caches of every group count at the shape: keys and values of each layer."""
+    c = PRESETS[SHAPE]
+    return sum(batch_size * n_slots * c.n_layers * 2 * g * c.d_head * 4 for g in group_counts(c.n_heads))
+
+
+def shape_models(context, n_tokens, seed):
+    """{variant: model}: a random multi-head GPTlite of the shape (a window of context + n_tokens + 1 so that
+    every timed token has its own position) converted to every group count, as the trained model is."""
+    torch.manual_seed(seed)
+    config = PRESETS[SHAPE].gptlite_kwargs() | dict(seqlen=context + n_tokens + 1)
+    mha = GPTlite(**config).eval()
+    return {variant_name(g, config["n_heads"]): gqa_from_mha(mha.state_dict(), config, g).eval()
+            for g in group_counts(config["n_heads"])}
+
+
+def shape_checks(models, caches, context, paths):
+    """{check: ok}: on each variant's full random cache, one step of the fast path gives eager's logits."""
+    if "fast" not in paths:
+        return {}
+    checks = {}
+    for name, model in models.items():
+        eager = memory_bound.decode_steps(model, caches[name], context)(1)
+        fast = memory_bound.decode_steps(fast_decode.native_view(model), caches[name], context)(1)
+        diff = (fast - eager).abs().max().item()
+        checks[f"{SHAPE} shape, {name}: fast path logits = eager's at context {context} (max |diff| {diff:.1e}, "
+               f"atol {SHAPE_ATOL:g})"] = diff <= SHAPE_ATOL
+    return checks
+
+
+def shape_rows(models, caches, context, n_tokens, paths, repeats, bandwidth, llc):
+    """Each variant's decoding at the shape on each path, round-robin: TPOT, tpot_vs_mha (this TPOT / MHA's on
+    the same path), the bytes a step reads (weights + KV cache) and the time they take at the measured
+    `bandwidth` (GB/s)."""
+    views = {(name, path): fast_decode.on_path(m, path) for path in paths for name, m in models.items()}
+    batch_size = next(iter(caches.values())).keys.shape[1]
+    timing = iu.compare_generation({key: memory_bound.decode_steps(view, caches[key[0]], context)
+                                    for key, view in views.items()}, n_tokens, batch_size, repeats=repeats)
+    rows = []
+    for (name, path), t in timing.items():
+        weight_bytes, kv_bytes = memory_bound.step_bytes(models[name], batch_size, context)
+        total = weight_bytes + kv_bytes
+        rows.append(harness.make_row(
+            name, shape=SHAPE, path=path, batch_size=batch_size, context=context, tpot_ms=t["tpot_ms"],
+            tpot_vs_mha=iu.ratio(t["tpot_ms"], timing["MHA", path]["tpot_ms"]), bytes_per_step=total,
+            weight_mb=round(weight_bytes / 2**20, 1), kv_mb=round(kv_bytes / 2**20, 1),
+            at_bandwidth_ms=None if bandwidth is None else round(total / bandwidth / 1e6, 2),
+            in_cache="yes" if llc is not None and total <= llc else "no"))
+    for r in rows:
+        r["tpot_vs_mha"] = None if r["tpot_vs_mha"] is None else round(r["tpot_vs_mha"], 2)
+    return rows
 
 
 def decode_fns(models, prompts, seqlen, paths):
@@ -174,11 +257,21 @@ def main(argv=None):
         checks |= {f"{name}: fast path tokens = eager's": torch.equal(
             fast_decode.generate_fast(m, prompts[:8], args.n_tokens, preset.seqlen),
             generate_kvcache(m, prompts[:8], args.n_tokens, preset.seqlen)) for name, m in models.items()}
+    shape = {}
+    if args.shape_batch:  # the memory-bound shape: random weights and caches, time only
+        shape = shape_models(args.shape_context, args.shape_tokens, args.seed)
+        caches = {name: memory_bound.filled_cache(m, args.shape_batch, args.shape_context, args.shape_tokens + 1,
+                                                  args.seed) for name, m in shape.items()}
+        checks |= shape_checks(shape, caches, args.shape_context, args.paths)
     harness.require_checks(checks)  # before anything is timed or written
 
     timings = iu.generation_figures(decode_fns(models, prompts, preset.seqlen, args.paths), args.n_tokens,
                                     args.batch_size, device, args.repeats)
     rows = [{**row, "path": path, **timings[row["variant"], path]} for path in args.paths for row in rows]
+    bandwidth = memory_bound.read_bandwidth() if shape and "fast" in args.paths else None
+    llc = memory_bound.last_level_cache_bytes()
+    shape_table = shape_rows(shape, caches, args.shape_context, args.shape_tokens, args.paths, args.repeats,
+                             bandwidth, llc) if shape else []
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; KV cache at a full window of {preset.seqlen} tokens")
@@ -190,8 +283,11 @@ def main(argv=None):
                                  untrained=args.untrained)
     harness.report(args, "main_gqa.py", preset, device, rows, headline(rows, steps), summary=summary,
                    attention_methods=attention_methods(rows, steps, preset.seqlen),
-                   plot=lambda: plot_results(rows, preset, device), uptrain_steps=steps, lr=lr, checks=checks,
-                   saved=args.save)
+                   tables=[harness.table(SHAPE_TITLE.format(args.shape_batch, args.shape_context), shape_table)]
+                   if shape_table else [],
+                   plot=lambda: plot_results(rows, shape_table, bandwidth, llc, preset, device), uptrain_steps=steps,
+                   lr=lr, checks=checks, saved=args.save, bandwidth_GB_per_s=bandwidth and round(bandwidth, 1),
+                   last_level_cache_bytes=llc)
 
 
 if __name__ == "__main__":

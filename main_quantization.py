@@ -28,7 +28,6 @@ Checks first: each weight-only variant's packed kernel gives the logits of its d
 (atol 1e-4). Nothing is timed or written unless they hold.
 """
 import copy
-import glob
 import math
 
 import torch
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from lib import corpus, fast_decode, harness, quantization as qz, training
+from lib import corpus, fast_decode, harness, memory_bound, quantization as qz, training
 from lib.presets import PRESETS
 
 ATOL = 1e-4  # float32 logits: the packed kernels sum the same products in another order
@@ -274,15 +273,6 @@ def shape_rows(variants, prompt, n_tokens, repeats, bandwidth, llc):
     return rows
 
 
-def last_level_cache_bytes():
-    """The largest CPU cache (Linux sysfs), or None when it cannot be read."""
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        text = open(path).read().strip()
-        sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}.get(text[-1], 1) if text[-1] in "KM" else int(text))
-    return max(sizes) if sizes else None
-
-
 def plot_results(rows, bench, shape_table, bandwidth, llc, preset, device):
     fig, (ax_loss, ax_bench, ax_bytes) = harness.new_figure(3)
     plot_bytes(ax_bytes, shape_table, bandwidth, llc)
@@ -303,22 +293,10 @@ def plot_results(rows, bench, shape_table, bandwidth, llc, preset, device):
 
 
 def plot_bytes(ax, shape_table, bandwidth, llc):
-    """TPOT against the bytes read per token at the gptlite shape, with the time those bytes take at the measured
-    bandwidth (a line) and the last-level cache's size: decode is memory-bound where the points meet the line."""
-    fast = [r for r in shape_table if r["path"] == "fast" and r["tpot_b1_ms"] is not None]
-    if not fast or bandwidth is None:
-        ax.set_axis_off()
-        return
-    for r in fast:
-        ax.scatter(r["bytes_per_token"] / 2**20, r["tpot_b1_ms"])
-        ax.annotate(r["variant"], (r["bytes_per_token"] / 2**20, r["tpot_b1_ms"]), fontsize=7)
-    top = 1.1 * max(r["bytes_per_token"] for r in fast) / 2**20
-    ax.plot([0, top], [0, top * 2**20 / bandwidth / 1e6], color="gray", linestyle="--",
-            label=f"bytes / measured bandwidth ({bandwidth:.0f} GB/s)")
-    ax.axvline(llc / 2**20, color="tab:red", linewidth=0.8, label=f"last-level cache ({llc / 2**20:.0f} MiB)")
-    ax.set(xlabel="MiB read per token (weights + KV cache)", ylabel="TPOT (ms), fast path, batch 1",
-           title=f"decode is memory-bound: {SHAPE} shape", xlim=(0, top), ylim=(0, None))
-    ax.legend(fontsize=7)
+    """TPOT against the bytes read per token at the gptlite shape, fast path, with the bandwidth and cache lines."""
+    points = [(r["variant"], r["bytes_per_token"], r["tpot_b1_ms"]) for r in shape_table if r["path"] == "fast"]
+    memory_bound.plot_bytes(ax, points, bandwidth, llc, "MiB read per token (weights + KV cache)",
+                            "TPOT (ms), fast path, batch 1", f"decode is memory-bound: {SHAPE} shape")
 
 
 def parse_args(argv):
@@ -353,7 +331,7 @@ def parse_args(argv):
         if args.prompt_len + args.n_tokens > preset.seqlen:
             parser.error(f"--prompt-len + --n-tokens exceed the window of {preset.seqlen}")
         if args.bench_size is None:
-            llc = last_level_cache_bytes() or 32 * 2**20
+            llc = memory_bound.last_level_cache_bytes() or 32 * 2**20
             args.bench_size = 256 * math.ceil(math.sqrt(3 * llc) / 256)  # int4 (size^2 / 2 bytes): 1.5x the cache
         harness.check_fits(parser, "--bench-size", 14 * args.bench_size**2, "the benchmark's matrices")
     args.kv_bits = sorted(set(args.kv_bits), reverse=True)
@@ -368,7 +346,7 @@ def summary_lines(checks, path_rows, args):
         f"share of greedy tokens (8 prompts x {args.n_tokens}) equal to float32's at the same position; KIVI: "
         f"{args.kv_block}-token blocks, the latest (up to {args.kv_block - 1}) tokens in float32",
         f"benchmark: x [1, {args.bench_size}] @ W^T, W [{args.bench_size}, {args.bench_size}]; last-level cache "
-        f"{(last_level_cache_bytes() or 0) / 2**20:.0f} MiB; median of {args.repeats + 2}, round-robin"]
+        f"{(memory_bound.last_level_cache_bytes() or 0) / 2**20:.0f} MiB; median of {args.repeats + 2}, round-robin"]
     for b in (1, 8):  # each quantized variant's speed against float32, on each path
         ratios = {}
         for r in path_rows:
@@ -407,7 +385,7 @@ def main(argv=None):
     rows, path_rows = measure(models, plain, diffs, fns, prompts, tokens, data, args, preset)
     bench = matmul_benchmark(layers, x, args.repeats + 2)
     bandwidth = next((b["weight_GB_per_s"] for b in bench if b["variant"] == MEMORY_READ), None)
-    llc = last_level_cache_bytes() or 32 * 2**20
+    llc = memory_bound.last_level_cache_bytes() or 32 * 2**20
     shape_table = shape_rows(shape, prompts[:1], args.n_tokens, args.repeats, bandwidth, llc) if shape else []
     summary = summary_lines(checks, path_rows, args)
     best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])

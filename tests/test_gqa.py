@@ -184,6 +184,9 @@ def rebuild_of(ckpt):
     return ckpt.get("rebuild") or ckpt["meta"]["rebuild"]
 
 
+SMALL_SHAPE = ("--shape-batch", "2", "--shape-context", "16", "--shape-tokens", "3")  # the gptlite-shape rows, quick
+
+
 def positive_or_none(value):
     """A TPOT (or a ratio of TPOTs) is positive, or None when timing noise left it unmeasurable; never <= 0."""
     return value is None or value > 0
@@ -195,15 +198,30 @@ def test_main_gqa_runs_checks_saves_json_plot_and_checkpoint(real_data, tmp_path
     out_json, out_png, out_ckpt = tmp_path / "gqa.json", tmp_path / "gqa.png", tmp_path / "gqa.pt"
     main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                    "--n-tokens", "4", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png),
-                   "--save", str(out_ckpt)])
+                   "--save", str(out_ckpt), *SMALL_SHAPE])
     printed = capsys.readouterr().out
     assert "meaningless" in printed and "equals the multi-head model: yes" in printed
     assert "identical logits" in printed
     result = json.loads(out_json.read_text())
     assert result["script"] == "main_gqa.py" and result["untrained"] and result["uptrain_steps"] == 1
     assert result["saved"] == str(out_ckpt)
-    assert all(result["checks"].values()) and set(result["checks"]) == {
+    shape_checks = {c for c in result["checks"] if c.startswith("gptlite shape, ")}
+    assert all(result["checks"].values()) and set(result["checks"]) - shape_checks == {
         "MHA", "GQA-2", "MQA", "MHA conversion exact"} | {f"{v}: fast path tokens = eager's" for v in ("MHA", "GQA-2", "MQA")}
+    gptlite = presets.PRESETS["gptlite"]  # 6 heads: MHA, GQA-3, GQA-2, MQA
+    names = ["MHA", "GQA-3", "GQA-2", "MQA"]
+    assert sorted(c.split(":")[0] for c in shape_checks) == sorted(f"gptlite shape, {v}" for v in names)
+    (shape,) = result["tables"]
+    assert [(r["variant"], r["path"], r["shape"], r["batch_size"], r["context"]) for r in shape["rows"]] == [
+        (v, p, "gptlite", 2, 16) for p in ("eager", "fast") for v in names]
+    for r, g in zip(shape["rows"], [6, 3, 2, 1] * 2):  # the cache of g key/value heads, float32
+        kv = 2 * 16 * gptlite.n_layers * 2 * g * gptlite.d_head * 4
+        assert r["kv_mb"] == round(kv / 2**20, 1) and r["bytes_per_step"] > kv and r["weight_mb"] > 50
+        at_json_bandwidth = r["bytes_per_step"] / result["bandwidth_GB_per_s"] / 1e6  # its bandwidth rounded to 0.1
+        assert r["at_bandwidth_ms"] == pytest.approx(at_json_bandwidth, rel=0.01, abs=0.01)
+        assert positive_or_none(r["tpot_ms"]) and positive_or_none(r["tpot_vs_mha"])
+    assert [r["tpot_vs_mha"] for r in shape["rows"] if r["variant"] == "MHA"] == [1.0, 1.0]
+    assert result["bandwidth_GB_per_s"] > 0 and "Decoding at the gptlite shape" in shape["title"]
     assert [(r["variant"], r["path"]) for r in result["rows"]] == [
         (v, p) for p in ("eager", "fast") for v in ("MHA", "GQA-2", "MQA")]
     fast = result["rows"][3:]
@@ -232,7 +250,7 @@ def test_main_gqa_saves_nothing_unless_asked(real_data, tmp_path, monkeypatch, o
     monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path)
     monkeypatch.chdir(tmp_path)
     main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
-                   "--n-tokens", "2", "--repeats", "1"])
+                   "--n-tokens", "2", "--repeats", "1", "--shape-batch", "0"])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -241,7 +259,7 @@ def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one
     with pytest.raises(GPTliteError):
         main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                        "--n-tokens", "2", "--repeats", "1", "--json", str(out[0]), "--plot", str(out[1]),
-                       "--save", str(out[2])])
+                       "--save", str(out[2]), "--shape-batch", "0"])
     assert list(tmp_path.iterdir()) == []  # no file, not even a temporary one
 
 
@@ -279,14 +297,14 @@ def test_main_gqa_a_failed_check_stops_before_any_timing(real_data, tmp_path, mo
     monkeypatch.setattr(iu, "compare_generation", lambda *a, **k: pytest.fail("timed despite a failed check"))
     with pytest.raises(GPTliteError, match="checks failed: MHA; GQA-2; MQA; this is a bug"):
         main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
-                       "--n-tokens", "2", "--repeats", "1", "--json", str(tmp_path / "g.json")])
+                       "--n-tokens", "2", "--repeats", "1", "--json", str(tmp_path / "g.json"), *SMALL_SHAPE])
     assert list(tmp_path.iterdir()) == []
 
 
 def test_main_gqa_json_has_its_headline(real_data, tmp_path, one_batch_validation):
     out = tmp_path / "g.json"
     main_gqa.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
-                   "--n-tokens", "2", "--repeats", "1", "--json", str(out)])
+                   "--n-tokens", "2", "--repeats", "1", "--json", str(out), "--shape-batch", "0"])
     result = json.loads(out.read_text())
     assert result["headline"]["technique"] == "GQA and MQA, converted from MHA, 1 uptraining steps"
     assert result["headline"]["figure"].startswith("KV cache / MHA's: GQA-2 0.5, MQA 0.25; TPOT at batch 2: eager MHA ")
