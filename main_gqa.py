@@ -72,13 +72,7 @@ def on_first_path(rows):
 
 def plot_results(rows, shape_table, bandwidth, llc, preset, device):
     fig, (ax_loss, ax_time, ax_bytes) = harness.new_figure(3)
-    if shape_table:
-        memory_bound.plot_bytes(
-            ax_bytes, [(f"{r['variant']} {r['path']}", r["bytes_per_step"], r["tpot_ms"]) for r in shape_table],
-            bandwidth, llc, "MiB read per step (weights + KV cache)", "TPOT (ms)",
-            f"{SHAPE} shape, batch {shape_table[0]['batch_size']}, context {shape_table[0]['context']}")
-    else:
-        ax_bytes.set_axis_off()
+    memory_bound.plot_step_rows(ax_bytes, shape_table, bandwidth, llc)
     first = on_first_path(rows)
     kv = [r["kv_cache_mb"] for r in first]
     ax_loss.plot(kv, [r["loss_converted"] for r in first], marker="o", linestyle="--", label="converted")
@@ -114,12 +108,7 @@ def parse_args(argv):
     add("--save-groups", type=harness.int_at_least(1), default=None,
         help="group count of the saved model (default: the smallest above 1 that is not MHA)")
     harness.add_paths_flag(parser)
-    add("--shape-batch", type=harness.int_at_least(0, 1024), default=32,
-        help=f"batch of the {SHAPE}-shape rows (random weights, time only; 0: no such rows)")
-    add("--shape-context", type=harness.int_at_least(1, 8192), default=1024,
-        help=f"cached tokens per sequence in the {SHAPE}-shape rows")
-    add("--shape-tokens", type=harness.int_at_least(2, 1024), default=16,
-        help=f"decoding steps timed per call in the {SHAPE}-shape rows")
+    memory_bound.add_shape_flags(parser)
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -142,13 +131,8 @@ def check_sizes(parser, preset, batch_size, prompt_len, n_tokens):
                        f"{n_tokens} new tokens for each of {batch_size} prompts")
 
 
-SHAPE = "gptlite"  # the memory-bound shape: the post's model, 70 MB of float32 weights
+SHAPE = memory_bound.SHAPE  # the memory-bound shape: the post's model, 70 MB of float32 weights
 SHAPE_ATOL = 1e-4  # fast path against eager logits at the shape (float32 sums in another order)
-
-
-SHAPE_TITLE = (f"Decoding at the {SHAPE} shape (random weights and cache: time only), batch {{}}, {{}} cached tokens; "
-               "tpot_vs_mha: this TPOT / MHA's on the same path; at_bandwidth_ms: bytes_per_step at the measured "
-               "read bandwidth")
 
 
 def shape_cache_bytes(batch_size, n_slots):
@@ -158,10 +142,10 @@ def shape_cache_bytes(batch_size, n_slots):
 
 
 def shape_models(context, n_tokens, seed):
-    """{variant: model}: a random multi-head GPTlite of the shape (a window of context + n_tokens + 1 so that
-    every timed token has its own position) converted to every group count, as the trained model is."""
+    """{variant: model}: a random multi-head GPTlite of the shape converted to every group count, as the trained
+    model is."""
     torch.manual_seed(seed)
-    config = PRESETS[SHAPE].gptlite_kwargs() | dict(seqlen=context + n_tokens + 1)
+    config = memory_bound.shape_config(context, n_tokens)
     mha = GPTlite(**config).eval()
     return {variant_name(g, config["n_heads"]): gqa_from_mha(mha.state_dict(), config, g).eval()
             for g in group_counts(config["n_heads"])}
@@ -179,29 +163,6 @@ def shape_checks(models, caches, context, paths):
         checks[f"{SHAPE} shape, {name}: fast path logits = eager's at context {context} (max |diff| {diff:.1e}, "
                f"atol {SHAPE_ATOL:g})"] = diff <= SHAPE_ATOL
     return checks
-
-
-def shape_rows(models, caches, context, n_tokens, paths, repeats, bandwidth, llc):
-    """Each variant's decoding at the shape on each path, round-robin: TPOT, tpot_vs_mha (this TPOT / MHA's on
-    the same path), the bytes a step reads (weights + KV cache) and the time they take at the measured
-    `bandwidth` (GB/s)."""
-    views = {(name, path): fast_decode.on_path(m, path) for path in paths for name, m in models.items()}
-    batch_size = next(iter(caches.values())).keys.shape[1]
-    timing = iu.compare_generation({key: memory_bound.decode_steps(view, caches[key[0]], context)
-                                    for key, view in views.items()}, n_tokens, batch_size, repeats=repeats)
-    rows = []
-    for (name, path), t in timing.items():
-        weight_bytes, kv_bytes = memory_bound.step_bytes(models[name], batch_size, context)
-        total = weight_bytes + kv_bytes
-        rows.append(harness.make_row(
-            name, shape=SHAPE, path=path, batch_size=batch_size, context=context, tpot_ms=t["tpot_ms"],
-            tpot_vs_mha=iu.ratio(t["tpot_ms"], timing["MHA", path]["tpot_ms"]), bytes_per_step=total,
-            weight_mb=round(weight_bytes / 2**20, 1), kv_mb=round(kv_bytes / 2**20, 1),
-            at_bandwidth_ms=None if bandwidth is None else round(total / bandwidth / 1e6, 2),
-            in_cache="yes" if llc is not None and total <= llc else "no"))
-    for r in rows:
-        r["tpot_vs_mha"] = None if r["tpot_vs_mha"] is None else round(r["tpot_vs_mha"], 2)
-    return rows
 
 
 def decode_fns(models, prompts, seqlen, paths):
@@ -270,8 +231,9 @@ def main(argv=None):
     rows = [{**row, "path": path, **timings[row["variant"], path]} for path in args.paths for row in rows]
     bandwidth = memory_bound.read_bandwidth() if shape and "fast" in args.paths else None
     llc = memory_bound.last_level_cache_bytes()
-    shape_table = shape_rows(shape, caches, args.shape_context, args.shape_tokens, args.paths, args.repeats,
-                             bandwidth, llc) if shape else []
+    views = {(name, path): fast_decode.on_path(m, path) for path in args.paths for name, m in shape.items()}
+    shape_table = memory_bound.step_rows(views, shape, caches, args.shape_context, args.shape_tokens, args.repeats,
+                                         bandwidth, llc, reference="MHA") if shape else []
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; KV cache at a full window of {preset.seqlen} tokens")
@@ -283,7 +245,7 @@ def main(argv=None):
                                  untrained=args.untrained)
     harness.report(args, "main_gqa.py", preset, device, rows, headline(rows, steps), summary=summary,
                    attention_methods=attention_methods(rows, steps, preset.seqlen),
-                   tables=[harness.table(SHAPE_TITLE.format(args.shape_batch, args.shape_context), shape_table)]
+                   tables=[harness.table(memory_bound.shape_title(args.shape_batch, args.shape_context, "MHA"), shape_table)]
                    if shape_table else [],
                    plot=lambda: plot_results(rows, shape_table, bandwidth, llc, preset, device), uptrain_steps=steps,
                    lr=lr, checks=checks, saved=args.save, bandwidth_GB_per_s=bandwidth and round(bandwidth, 1),

@@ -16,6 +16,12 @@ min(2 * n_heads * d_head, d_model) reproduces the multi-head model's logits; cac
 the full forward pass. The GQA/MQA points of the loss-against-cache chart (and of the JSON's gqa_points) are
 made here in every run, by the GQA conversion and the same uptraining budget, so that both curves share one
 run and --plot only draws.
+
+A second table decodes at the post's gptlite shape (random weights and caches of --shape-context entries:
+time only) at --shape-batch: MHA's keys and values against the latents of each size of the sweep (absorbed;
+recomputing the keys and values of 1024 cached tokens at every step is a hundred times the FLOPs), TPOT
+against the bytes a step reads, beside the machine's read bandwidth. Eager path only: the fast decode path
+does not compute MLA.
 """
 
 import torch
@@ -26,7 +32,7 @@ from gptlite_gqa import gqa_from_mha, group_counts, variant_name
 from gptlite_kvcache import generate_kvcache
 from gptlite_mla import (MultiHeadAttention_MLA,  # noqa: F401 (the post's listings, importable here)
                          convert_mha_to_mla, max_latent, mla_from_mha)
-from lib import attention_summary, corpus, harness, training
+from lib import attention_summary, corpus, harness, memory_bound, training
 from main_gqa import check_sizes  # the same models, windows and generation
 
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion against the multi-head model (SVD in float64)
@@ -104,8 +110,18 @@ def gqa_points(base, data, preset, window, steps, lr, seed, device):
     return points
 
 
-def plot_loss_against_cache(rows, gqa, preset, device):
-    fig, ax = harness.new_figure()
+def plot_results(rows, gqa, shape_table, bandwidth, llc, preset, device):
+    """Loss against cache size; beside it, with the gptlite-shape rows, TPOT against bytes read per step."""
+    fig, (ax, ax_bytes) = harness.new_figure(2) if shape_table else (None, (None, None))
+    if fig is None:
+        fig, ax = harness.new_figure()
+    else:
+        memory_bound.plot_step_rows(ax_bytes, shape_table, bandwidth, llc)
+    plot_loss_against_cache(ax, rows, gqa, preset, device)
+    return fig
+
+
+def plot_loss_against_cache(ax, rows, gqa, preset, device):
     mha = rows[0]
     mla = [r for r in rows if r.get("absorb") == "yes"]
     series = {"MLA (latent sizes)": [(r["cache_per_token"], r["val_loss"], r["loss_converted"], r["variant"])
@@ -127,7 +143,6 @@ def plot_loss_against_cache(rows, gqa, preset, device):
     ax.set(xlabel="cache per token and layer (float values)", ylabel="validation loss (nats/char)",
            title=f"loss against cache size (preset {preset.name}, {device})")
     ax.legend(fontsize=8)
-    return fig
 
 
 def parse_args(argv):
@@ -140,6 +155,7 @@ def parse_args(argv):
         help="training steps after conversion, for every variant (default: 5%% of the preset's)")
     add("--lr", type=harness.learning_rate, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
     harness.add_generation_flags(parser, batch_size=64, prompt_len=32, n_tokens=64, repeats=3)
+    memory_bound.add_shape_flags(parser)
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -149,7 +165,28 @@ def parse_args(argv):
         if args.latents is not None and len(set(args.latents)) != len(args.latents):
             parser.error(f"--latents repeats a value: {args.latents}")
         check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
+        shape = memory_bound.shape_config(args.shape_context, args.shape_tokens)
+        full_at_shape = max_latent(shape["n_heads"], shape["d_head"], shape["d_model"])
+        if args.shape_batch and args.latents is not None and max(args.latents) > full_at_shape:
+            parser.error(f"--latents: the {memory_bound.SHAPE}-shape rows need latents of at most its full rank "
+                         f"{full_at_shape}, or --shape-batch 0")
+        values = 2 * shape["n_heads"] * shape["d_head"] + sum(args.latents or default_latents(full_at_shape))
+        harness.check_fits(parser, "--shape-batch", 3 * args.shape_batch * (args.shape_context + args.shape_tokens)
+                           * shape["n_layers"] * values * 4, f"the {memory_bound.SHAPE}-shape caches of "
+                           f"{args.shape_batch} x {args.shape_context} tokens")
     return (args, *harness.setup(args, parser, check_args))
+
+
+def shape_models(latents, context, n_tokens, seed):
+    """{variant: model}: a random multi-head GPTlite of the shape with a cache (MHA), and its SVD conversions to
+    each latent size (absorbed), as the trained model is converted."""
+    torch.manual_seed(seed)
+    config = memory_bound.shape_config(context, n_tokens)
+    state = GPTlite(**config).state_dict()
+    models = {"MHA": gqa_from_mha(state, config, config["n_heads"]).eval()}
+    full = max_latent(config["n_heads"], config["d_head"], config["d_model"])
+    return models | {f"MLA-{d} absorbed": mla_from_mha(state, config, d).set_absorb(True).eval()
+                     for d in sorted(latents or default_latents(full), reverse=True)}
 
 
 def headline(rows, gqa, steps):
@@ -195,6 +232,15 @@ def main(argv=None):
     gqa = gqa_points(base, data, preset, window, steps, lr, args.seed, device)  # the plot's other curve, every run
     timings = iu.generation_figures(fns, args.n_tokens, args.batch_size, device, args.repeats)
     rows = [{**row, **timings[row["variant"]]} for row in rows]
+    shape_table, bandwidth, llc = [], None, memory_bound.last_level_cache_bytes()
+    if args.shape_batch:  # the memory-bound shape: random weights and caches, time only
+        shape = shape_models(args.latents, args.shape_context, args.shape_tokens, args.seed)
+        caches = {name: memory_bound.filled_cache(m, args.shape_batch, args.shape_context, args.shape_tokens + 1,
+                                                  args.seed) for name, m in shape.items()}
+        bandwidth = memory_bound.read_bandwidth()
+        shape_table = memory_bound.step_rows({(name, "eager"): m for name, m in shape.items()}, shape, caches,
+                                             args.shape_context, args.shape_tokens, args.repeats, bandwidth, llc,
+                                             reference="MHA")
 
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
@@ -203,10 +249,13 @@ def main(argv=None):
                "per token and layer. " + iu.peak_memory_label(device)]
     summary += [f"check {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
     tables = [harness.table("The plot's GQA and MQA points (same run, same uptraining):", gqa, GQA_COLUMNS)]
+    if shape_table:
+        tables.append(harness.table(memory_bound.shape_title(args.shape_batch, args.shape_context, "MHA"), shape_table))
     harness.report(args, "main_mla.py", preset, device, rows, headline(rows, gqa, steps), summary=summary,
                    attention_methods=attention_methods(rows, steps, full, preset.seqlen),
-                   tables=tables, plot=lambda: plot_loss_against_cache(rows, gqa, preset, device),
-                   uptrain_steps=steps, lr=lr, full_rank=full, checks=checks, gqa_points=gqa)
+                   tables=tables, plot=lambda: plot_results(rows, gqa, shape_table, bandwidth, llc, preset, device),
+                   uptrain_steps=steps, lr=lr, full_rank=full, checks=checks, gqa_points=gqa,
+                   bandwidth_GB_per_s=bandwidth and round(bandwidth, 1), last_level_cache_bytes=llc)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,35 @@ import glob
 import torch
 
 import inference_utils as iu
-from gptlite_kvcache import StaticKVCache, cached_heads
-from lib import fast_decode
+from gptlite_kvcache import DynamicKVCache, StaticKVCache, cached_heads
+from gptlite_mla import GPTlite_MLA
+from lib import fast_decode, harness
+from lib.presets import PRESETS
+
+SHAPE = "gptlite"  # the memory-bound shape: the post's model, 70 MB of float32 weights
+
+
+def add_shape_flags(parser, batch_size=32, context=1024, n_tokens=16):
+    """The flags of a script's rows at the shape: --shape-batch (0: none), --shape-context, --shape-tokens."""
+    add = parser.add_argument
+    add("--shape-batch", type=harness.int_at_least(0, 1024), default=batch_size,
+        help=f"batch of the {SHAPE}-shape rows (random weights, time only; 0: no such rows)")
+    add("--shape-context", type=harness.int_at_least(1, 8192), default=context,
+        help=f"cached tokens per sequence in the {SHAPE}-shape rows")
+    add("--shape-tokens", type=harness.int_at_least(2, 1024), default=n_tokens,
+        help=f"decoding steps timed per call in the {SHAPE}-shape rows")
+
+
+def shape_config(context, n_tokens):
+    """GPTlite's keyword arguments at the shape, with a window of context + n_tokens + 1 so that every timed
+    token has its own position."""
+    return PRESETS[SHAPE].gptlite_kwargs() | dict(seqlen=context + n_tokens + 1)
+
+
+def shape_title(batch_size, context, reference):
+    return (f"Decoding at the {SHAPE} shape (random weights and cache: time only), batch {batch_size}, {context} cached "
+            f"tokens; tpot_vs_{reference.lower()}: this TPOT / {reference}'s on the same path; at_bandwidth_ms: "
+            "bytes_per_step at the measured read bandwidth")
 
 
 def last_level_cache_bytes():
@@ -33,7 +60,10 @@ def last_level_cache_bytes():
 
 def read_bandwidth(nbytes=400 * 2**20, repeats=5):
     """The machine's read bandwidth in GB/s: the median time of summing a float32 tensor of `nbytes` (larger
-    than the last-level cache) with lib/fast_decode.read_sum, every thread reading its share once in order."""
+    than the last-level cache) with lib/fast_decode.read_sum, every thread reading its share once in order;
+    None where the extension cannot be built (no C++ compiler)."""
+    if harness.compiler_problem():
+        return None
     x = torch.randn(nbytes // 4)
     seconds = iu.time_fn(lambda: fast_decode.read_sum(x), warmup=1, repeats=repeats)
     return nbytes / seconds / 1e9
@@ -41,8 +71,12 @@ def read_bandwidth(nbytes=400 * 2**20, repeats=5):
 
 def filled_cache(model, batch_size, context, extra=64, seed=0):
     """A StaticKVCache for `model` (its cached heads: GQA's groups) of context + extra slots, the first
-    `context` filled with random keys and values, as if a prompt of that length had been encoded."""
+    `context` filled with random keys and values, as if a prompt of that length had been encoded. A GPTlite_MLA:
+    its dynamic cache of `context` random latents per layer (grown by torch.cat, as its decoding does)."""
     torch.manual_seed(seed)
+    if isinstance(model, GPTlite_MLA):
+        c = model.config
+        return DynamicKVCache([(torch.randn(batch_size, 1, context, c.d_latent),) for _ in range(c.n_layers)])
     cache = StaticKVCache.for_model(model, batch_size, context + extra)
     cache.keys[:, :, :, :context].normal_()
     cache.values[:, :, :, :context].normal_()
@@ -53,7 +87,7 @@ def filled_cache(model, batch_size, context, extra=64, seed=0):
 def decode_steps(model, cache, context):
     """step(n): n greedy decoding steps of `model` (eager, or a fast_decode native view) at batch
     cache's, from the same `context` entries every call (the cache rolled back first); the last logits."""
-    batch_size = cache.keys.shape[1]
+    batch_size = cache.layers[0][0].shape[0]
 
     @torch.inference_mode()
     def step(n):
@@ -69,12 +103,53 @@ def decode_steps(model, cache, context):
 def step_bytes(model, batch_size, context):
     """Bytes one decoding step of `model` reads at `context`: (weights, KV cache). Weights: every linear
     weight, LayerNorm and bias, and one row of each embedding table (per sequence of the batch); KV: the
-    cached keys and values of every layer, [B, heads cached, context, D] twice, float32."""
+    cached entries of every layer, float32: keys and values [B, heads cached, context, D], or MLA's latents
+    [B, 1, context, d_latent]."""
     c = model.config
     embedding_rows = batch_size * 2 * c.d_model * 4
     weights = sum(p.nbytes for name, p in model.named_parameters() if "embedding" not in name) + embedding_rows
-    kv = batch_size * context * c.n_layers * 2 * cached_heads(model.blocks[0].mha) * c.d_head * 4
-    return weights, kv
+    per_token = c.d_latent if isinstance(model, GPTlite_MLA) else 2 * cached_heads(model.blocks[0].mha) * c.d_head
+    return weights, batch_size * context * c.n_layers * per_token * 4
+
+
+def attention_flops(model, batch_size, context):
+    """FLOPs of one step's attention over `context` cached tokens: every query head's scores and weighted sum,
+    2 * 2 * width per cached token; the width is d_head, or d_latent for MLA's absorbed attention (the
+    queries moved into the latent space: fewer bytes, more FLOPs)."""
+    c = model.config
+    width = c.d_latent if isinstance(model, GPTlite_MLA) else c.d_head
+    return batch_size * context * c.n_layers * c.n_heads * 4 * width
+
+
+def step_rows(views, models, caches, context, n_tokens, repeats, bandwidth, llc, reference):
+    """Decoding at the shape from full caches: views {(variant, path): model on that path}, models {variant: model},
+    caches {variant: its filled cache}, all timed round-robin. Each row: TPOT, tpot_vs_<reference> (this TPOT /
+    the reference variant's on the same path), the bytes a step reads (weights + cache), its attention's FLOPs,
+    and the time the bytes take
+    at the measured `bandwidth` (GB/s; None: not measured), and whether they fit the last-level cache."""
+    batch_size = next(iter(caches.values())).layers[0][0].shape[0]
+    timing = iu.compare_generation({key: decode_steps(view, caches[key[0]], context) for key, view in views.items()},
+                                   n_tokens, batch_size, repeats=repeats)
+    vs = f"tpot_vs_{reference.lower()}"
+    rows = []
+    for (name, path), t in timing.items():
+        weight_bytes, kv_bytes = step_bytes(models[name], batch_size, context)
+        total = weight_bytes + kv_bytes
+        ratio = iu.ratio(t["tpot_ms"], timing.get((reference, path), {}).get("tpot_ms"))
+        rows.append(harness.make_row(
+            name, shape=SHAPE, path=path, batch_size=batch_size, context=context, tpot_ms=t["tpot_ms"],
+            **{vs: None if ratio is None else round(ratio, 2)}, bytes_per_step=total,
+            weight_mb=round(weight_bytes / 2**20, 1), kv_mb=round(kv_bytes / 2**20, 1),
+            attention_mflop=round(attention_flops(models[name], batch_size, context) / 1e6), at_bandwidth_ms=None if bandwidth is None else round(total / bandwidth / 1e6, 2),
+            in_cache="yes" if llc is not None and total <= llc else "no"))
+    return rows
+
+
+def plot_step_rows(ax, rows, bandwidth, llc):
+    """plot_bytes of step_rows' rows: TPOT against MiB read per step, one point per variant and path."""
+    plot_bytes(ax, [(f"{r['variant']} {r['path']}", r["bytes_per_step"], r["tpot_ms"]) for r in rows], bandwidth, llc,
+               "MiB read per step (weights + KV cache)", "TPOT (ms)",
+               f"{SHAPE} shape, batch {rows[0]['batch_size']}, context {rows[0]['context']}" if rows else "")
 
 
 def plot_bytes(ax, points, bandwidth, llc, xlabel, ylabel, title):

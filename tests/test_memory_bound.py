@@ -63,3 +63,12 @@ def test_step_bytes_counts_weights_once_one_embedding_row_and_the_grouped_cache(
 def test_last_level_cache_is_the_largest_cache_or_none():
     llc = memory_bound.last_level_cache_bytes()
     assert llc is None or llc >= 2**20  # sysfs sizes of a server CPU: the last level is megabytes
+
+
+def test_attention_flops_scale_with_the_attended_width():
+    from gptlite_mla import GPTlite_MLA
+    gqa, mla = GPTlite_GQA(**TINY, n_groups=1), GPTlite_MLA(**TINY, d_latent=16)
+    per_head_token = 4 * TINY["n_layers"] * TINY["n_heads"]  # scores and weighted sum, 2 FLOPs per product
+    assert memory_bound.attention_flops(gqa, 2, 10) == 2 * 10 * per_head_token * TINY["d_head"]  # heads, not groups
+    assert memory_bound.attention_flops(mla, 2, 10) == 2 * 10 * per_head_token * 16  # absorbed: the latent's width
+    assert memory_bound.step_bytes(mla, 2, 10)[1] == 2 * 10 * TINY["n_layers"] * 16 * 4  # only the latents cached

@@ -133,7 +133,7 @@ def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, o
     out_json, out_png = tmp_path / "mla.json", tmp_path / "mla.png"
     main_mla.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                    "--n-tokens", "4", "--repeats", "1", "--latents", "32", "64", "--json", str(out_json),
-                   "--plot", str(out_png)])
+                   "--plot", str(out_png), "--shape-batch", "2", "--shape-context", "16", "--shape-tokens", "3"])
     printed = capsys.readouterr().out
     assert "meaningless" in printed and "NO" not in printed
     result = json.loads(out_json.read_text())
@@ -154,19 +154,31 @@ def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, o
     assert list(summary) == ["MLA (latent 64)", "MLA (latent 32)"] and not any(m["exact"] for m in summary.values())
     assert "TPOT at batch 2 - against MHA's" in summary["MLA (latent 32)"]["reduction"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shape = result["tables"][1]  # at the gptlite shape: MHA's keys and values against the latents
+    assert "Decoding at the gptlite shape" in shape["title"] and result["bandwidth_GB_per_s"] > 0
+    gptlite = presets.PRESETS["gptlite"]
+    per_token = {"MHA": 2 * gptlite.n_heads * gptlite.d_head, "MLA-64 absorbed": 64, "MLA-32 absorbed": 32}
+    assert [(r["variant"], r["path"], r["batch_size"], r["context"]) for r in shape["rows"]] == [
+        (v, "eager", 2, 16) for v in per_token]
+    for r in shape["rows"]:
+        assert r["kv_mb"] == round(2 * 16 * gptlite.n_layers * per_token[r["variant"]] * 4 / 2**20, 1)
+        width = gptlite.d_head if r["variant"] == "MHA" else per_token[r["variant"]]
+        assert r["attention_mflop"] == round(2 * 16 * gptlite.n_layers * gptlite.n_heads * 4 * width / 1e6)
+        assert positive_or_none(r["tpot_ms"]) and positive_or_none(r["tpot_vs_mha"])
 
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one_batch_validation, diverging_loss):
     with pytest.raises(GPTliteError):
         main_mla.main(["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
                        "--n-tokens", "2", "--repeats", "1", "--latents", "32", "--json", str(tmp_path / "mla.json"),
-                       "--plot", str(tmp_path / "mla.png")])
+                       "--plot", str(tmp_path / "mla.png"), "--shape-batch", "0"])
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("flags", [["--latents", "0"], ["--latents", "129"], ["--latents", "8", "8"],
                                    ["--uptrain-steps", "0"], ["--n-tokens", "1"], ["--lr", "inf"], ["--lr", "-1"],
-                                   ["--prompt-len", "129"], ["--plot", "m.txt"], ["--bogus"]])
+                                   ["--prompt-len", "129"], ["--plot", "m.txt"], ["--bogus"],
+                                   ["--shape-batch", "-1"], ["--shape-tokens", "1"], ["--shape-context", "0"]])
 def test_main_mla_bad_flags_are_clear_errors_before_any_work(flags, capsys, monkeypatch):
     monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
     with pytest.raises(SystemExit) as e:
@@ -186,7 +198,7 @@ def test_main_mla_a_huge_size_flag_is_a_parser_error_before_any_work(flag, capsy
 def test_main_mla_json_is_the_same_with_and_without_plot(real_data, tmp_path, one_batch_validation):
     """--plot only draws: the GQA points, the tables and the headline come from every run."""
     flags = ["--untrained", "--preset", "cpu", "--device", "cpu", "--uptrain-steps", "1", "--batch-size", "2",
-             "--n-tokens", "2", "--repeats", "1", "--latents", "32"]
+             "--n-tokens", "2", "--repeats", "1", "--latents", "32", "--shape-batch", "0"]
     main_mla.main(flags + ["--json", str(tmp_path / "a.json")])
     main_mla.main(flags + ["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
