@@ -151,14 +151,14 @@ def shape_models(context, n_tokens, seed):
             for g in group_counts(config["n_heads"])}
 
 
-def shape_checks(models, caches, context, paths):
+def shape_checks(models, caches, batch_size, context, paths):
     """{check: ok}: on each variant's full random cache, one step of the fast path gives eager's logits."""
     if "fast" not in paths:
         return {}
     checks = {}
     for name, model in models.items():
-        eager = memory_bound.decode_steps(model, caches[name], context)(1)
-        fast = memory_bound.decode_steps(fast_decode.native_view(model), caches[name], context)(1)
+        eager = memory_bound.decode_steps(model, caches[name], context, batch_size)(1)
+        fast = memory_bound.decode_steps(fast_decode.native_view(model), caches[name], context, batch_size)(1)
         diff = (fast - eager).abs().max().item()
         checks[f"{SHAPE} shape, {name}: fast path logits = eager's at context {context} (max |diff| {diff:.1e}, "
                f"atol {SHAPE_ATOL:g})"] = diff <= SHAPE_ATOL
@@ -223,7 +223,7 @@ def main(argv=None):
         shape = shape_models(args.shape_context, args.shape_tokens, args.seed)
         caches = {name: memory_bound.filled_cache(m, args.shape_batch, args.shape_context, args.shape_tokens + 1,
                                                   args.seed) for name, m in shape.items()}
-        checks |= shape_checks(shape, caches, args.shape_context, args.paths)
+        checks |= shape_checks(shape, caches, args.shape_batch, args.shape_context, args.paths)
     harness.require_checks(checks)  # before anything is timed or written
 
     timings = iu.generation_figures(decode_fns(models, prompts, preset.seqlen, args.paths), args.n_tokens,
@@ -232,7 +232,7 @@ def main(argv=None):
     bandwidth = memory_bound.read_bandwidth() if shape and "fast" in args.paths else None
     llc = memory_bound.last_level_cache_bytes()
     views = {(name, path): fast_decode.on_path(m, path) for path in args.paths for name, m in shape.items()}
-    shape_table = memory_bound.step_rows(views, shape, caches, args.shape_context, args.shape_tokens, args.repeats,
+    shape_table = memory_bound.step_rows(views, shape, caches, args.shape_batch, args.shape_context, args.shape_tokens, args.repeats,
                                          bandwidth, llc, reference="MHA") if shape else []
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "

@@ -239,7 +239,7 @@ def main(argv=None):
                                                   args.seed) for name, m in shape.items()}
         bandwidth = memory_bound.read_bandwidth()
         shape_table = memory_bound.step_rows({(name, "eager"): m for name, m in shape.items()}, shape, caches,
-                                             args.shape_context, args.shape_tokens, args.repeats, bandwidth, llc,
+                                             args.shape_batch, args.shape_context, args.shape_tokens, args.repeats, bandwidth, llc,
                                              reference="MHA")
 
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "

@@ -8,7 +8,7 @@ context, the multi-head float32 cache is 604 MB a step, ten times the weights.
 
     bandwidth = read_bandwidth()                       # GB/s: a 400 MB float32 tensor summed in order
     cache = filled_cache(model, 32, 1024)             # a StaticKVCache holding 1024 random entries
-    step = decode_steps(model, cache, 1024)           # step(n): n greedy steps from the same full context
+    step = decode_steps(model, cache, 1024, 32)       # step(n): n greedy steps from the same full context
     iu.compare_generation({"MHA": step}, 8, 32)       # TPOT at that context
 
 Random weights and random cache entries: only time means anything there (the tables say so).
@@ -21,6 +21,7 @@ import inference_utils as iu
 from gptlite_kvcache import DynamicKVCache, StaticKVCache, cached_heads
 from gptlite_mla import GPTlite_MLA
 from lib import fast_decode, harness
+from lib.quantization import KIVICache
 from lib.presets import PRESETS
 
 SHAPE = "gptlite"  # the memory-bound shape: the post's model, 70 MB of float32 weights
@@ -69,14 +70,22 @@ def read_bandwidth(nbytes=400 * 2**20, repeats=5):
     return nbytes / seconds / 1e9
 
 
-def filled_cache(model, batch_size, context, extra=64, seed=0):
-    """A StaticKVCache for `model` (its cached heads: GQA's groups) of context + extra slots, the first
-    `context` filled with random keys and values, as if a prompt of that length had been encoded. A GPTlite_MLA:
-    its dynamic cache of `context` random latents per layer (grown by torch.cat, as its decoding does)."""
+def filled_cache(model, batch_size, context, extra=64, seed=0, kv_bits=None):
+    """A cache for `model` holding `context` random entries per sequence, as if a prompt of that length had
+    been encoded: a StaticKVCache of context + extra slots (its cached heads: GQA's groups); with kv_bits, a
+    KIVICache of that many bits (blocks of 32 quantized, the rest float32); for a GPTlite_MLA its dynamic cache
+    of random latents (grown by torch.cat, as its decoding does)."""
     torch.manual_seed(seed)
+    c = model.config
     if isinstance(model, GPTlite_MLA):
-        c = model.config
         return DynamicKVCache([(torch.randn(batch_size, 1, context, c.d_latent),) for _ in range(c.n_layers)])
+    if kv_bits is not None:
+        cache = KIVICache(c.n_layers, kv_bits)
+        shape = (batch_size, cached_heads(model.blocks[0].mha), context, c.d_head)  # GQA: its groups
+        for layer in range(c.n_layers):
+            cache.update(layer, torch.randn(shape), torch.randn(shape))
+        cache.n_tokens = context
+        return cache
     cache = StaticKVCache.for_model(model, batch_size, context + extra)
     cache.keys[:, :, :, :context].normal_()
     cache.values[:, :, :, :context].normal_()
@@ -84,10 +93,18 @@ def filled_cache(model, batch_size, context, extra=64, seed=0):
     return cache
 
 
-def decode_steps(model, cache, context):
-    """step(n): n greedy decoding steps of `model` (eager, or a fast_decode native view) at batch
-    cache's, from the same `context` entries every call (the cache rolled back first); the last logits."""
-    batch_size = cache.layers[0][0].shape[0]
+def cache_bytes(cache, context):
+    """Bytes of the entries of `context` tokens that a step reads from `cache` (rolled back to them): a
+    StaticKVCache's written slots, a dynamic cache's tensors, a KIVICache's codes, scales and residual."""
+    cache.truncate(context)
+    if isinstance(cache, StaticKVCache):
+        return 2 * cache.keys[:, :, :, :context].nbytes
+    return iu.kv_cache_bytes(cache.layers if isinstance(cache, DynamicKVCache) else cache)
+
+
+def decode_steps(model, cache, context, batch_size):
+    """step(n): n greedy decoding steps of `model` (eager, or a fast_decode native view) over `cache`
+    (of `batch_size` sequences) from the same `context` entries every call (rolled back first); the last logits."""
 
     @torch.inference_mode()
     def step(n):
@@ -100,16 +117,11 @@ def decode_steps(model, cache, context):
     return step
 
 
-def step_bytes(model, batch_size, context):
-    """Bytes one decoding step of `model` reads at `context`: (weights, KV cache). Weights: every linear
-    weight, LayerNorm and bias, and one row of each embedding table (per sequence of the batch); KV: the
-    cached entries of every layer, float32: keys and values [B, heads cached, context, D], or MLA's latents
-    [B, 1, context, d_latent]."""
-    c = model.config
-    embedding_rows = batch_size * 2 * c.d_model * 4
-    weights = sum(p.nbytes for name, p in model.named_parameters() if "embedding" not in name) + embedding_rows
-    per_token = c.d_latent if isinstance(model, GPTlite_MLA) else 2 * cached_heads(model.blocks[0].mha) * c.d_head
-    return weights, batch_size * context * c.n_layers * per_token * 4
+def weight_bytes(model, batch_size):
+    """Bytes of weights one decoding step of `model` reads: every linear weight, LayerNorm and bias, and one
+    row of each embedding table per sequence of the batch."""
+    embedding_rows = batch_size * 2 * model.config.d_model * 4
+    return sum(p.nbytes for name, p in model.named_parameters() if "embedding" not in name) + embedding_rows
 
 
 def attention_flops(model, batch_size, context):
@@ -121,25 +133,25 @@ def attention_flops(model, batch_size, context):
     return batch_size * context * c.n_layers * c.n_heads * 4 * width
 
 
-def step_rows(views, models, caches, context, n_tokens, repeats, bandwidth, llc, reference):
+def step_rows(views, models, caches, batch_size, context, n_tokens, repeats, bandwidth, llc, reference):
     """Decoding at the shape from full caches: views {(variant, path): model on that path}, models {variant: model},
     caches {variant: its filled cache}, all timed round-robin. Each row: TPOT, tpot_vs_<reference> (this TPOT /
     the reference variant's on the same path), the bytes a step reads (weights + cache), its attention's FLOPs,
     and the time the bytes take
     at the measured `bandwidth` (GB/s; None: not measured), and whether they fit the last-level cache."""
-    batch_size = next(iter(caches.values())).layers[0][0].shape[0]
-    timing = iu.compare_generation({key: decode_steps(view, caches[key[0]], context) for key, view in views.items()},
+    timing = iu.compare_generation({key: decode_steps(view, caches[key[0]], context, batch_size)
+                                    for key, view in views.items()},
                                    n_tokens, batch_size, repeats=repeats)
     vs = f"tpot_vs_{reference.lower()}"
     rows = []
     for (name, path), t in timing.items():
-        weight_bytes, kv_bytes = step_bytes(models[name], batch_size, context)
-        total = weight_bytes + kv_bytes
+        weights, kv_bytes = weight_bytes(models[name], batch_size), cache_bytes(caches[name], context)
+        total = weights + kv_bytes
         ratio = iu.ratio(t["tpot_ms"], timing.get((reference, path), {}).get("tpot_ms"))
         rows.append(harness.make_row(
             name, shape=SHAPE, path=path, batch_size=batch_size, context=context, tpot_ms=t["tpot_ms"],
             **{vs: None if ratio is None else round(ratio, 2)}, bytes_per_step=total,
-            weight_mb=round(weight_bytes / 2**20, 1), kv_mb=round(kv_bytes / 2**20, 1),
+            weight_mb=round(weights / 2**20, 1), kv_mb=round(kv_bytes / 2**20, 1),
             attention_mflop=round(attention_flops(models[name], batch_size, context) / 1e6), at_bandwidth_ms=None if bandwidth is None else round(total / bandwidth / 1e6, 2),
             in_cache="yes" if llc is not None and total <= llc else "no"))
     return rows

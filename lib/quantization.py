@@ -410,6 +410,23 @@ class KIVICache(KVCache):
         values = [dequantize_asym(*vq, self.bits, shape) for _, vq in self.blocks[layer]] + [self.residual[layer][1]]
         return torch.cat(keys, 2), torch.cat(values, 2), None
 
+    def truncate(self, n):
+        """Keep tokens 0 .. n-1 (a rollback, as speculative decoding's): the blocks before n and the residual's
+        tokens before n. A block already quantized keeps no float values, so n must not fall inside one."""
+        self.check_truncate(n)
+        n_quantized = len(self.blocks[0]) * self.block
+        if n < n_quantized and n % self.block:
+            raise ValueError(f"KIVI cannot roll back to {n} tokens: token {n} is inside a block already quantized "
+                             f"(blocks of {self.block}); keep a multiple of {self.block}, or at least {n_quantized}")
+        keep = min(n, n_quantized) // self.block
+        for layer, res in enumerate(self.residual):
+            self.blocks[layer] = self.blocks[layer][:keep]
+            if res is not None:
+                start = keep * self.block  # the residual's first token
+                self.residual[layer] = tuple(t[:, :, :max(n - start, 0)] for t in res) if n >= n_quantized else (
+                    res[0][:, :, :0], res[1][:, :, :0])
+        self.n_tokens = n
+
     @property
     def nbytes(self):
         """Bytes held: the packed codes, their scales and minimums, and the float32 residual."""

@@ -28,7 +28,7 @@ def test_decode_steps_from_a_prefilled_cache_match_the_full_forward_pass_every_c
     prompt = torch.randint(TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1))
     cache = StaticKVCache.for_model(model, 2, 12)
     model.forward_cache(prompt, cache)  # the cache now holds the prompt's 6 entries
-    step = memory_bound.decode_steps(model, cache, 6)
+    step = memory_bound.decode_steps(model, cache, 6, 2)
     first = step(4)[:, -1]
     assert torch.equal(step(4)[:, -1], first)  # rolled back to the same 6 entries each call
     expected = full_forward_steps(lambda idx: model(idx)[0], prompt, 4)
@@ -43,21 +43,33 @@ def test_decode_steps_on_the_fast_path_give_the_eager_logits_on_a_random_cache()
     fast_cache = memory_bound.filled_cache(model, 3, 10, extra=4, seed=2)
     assert torch.equal(eager_cache.keys, fast_cache.keys) and eager_cache.n_tokens == 10
     assert eager_cache.keys[:, :, :, 10:].abs().sum() == 0 and eager_cache.keys[:, :, :, :10].abs().sum() > 0
-    eager = memory_bound.decode_steps(model, eager_cache, 10)(3)
-    fast = memory_bound.decode_steps(fast_decode.native_view(model), fast_cache, 10)(3)
+    eager = memory_bound.decode_steps(model, eager_cache, 10, 3)(3)
+    fast = memory_bound.decode_steps(fast_decode.native_view(model), fast_cache, 10, 3)(3)
     torch.testing.assert_close(fast, eager, atol=1e-4, rtol=0)  # fast_decode's tolerance
 
 
-def test_step_bytes_counts_weights_once_one_embedding_row_and_the_grouped_cache():
+def test_weight_bytes_count_weights_once_and_one_embedding_row_per_sequence():
     model = GPTlite_GQA(**TINY, n_groups=1)
     d, L, D = TINY["d_model"], TINY["n_layers"], TINY["d_head"]
-    weights, kv = memory_bound.step_bytes(model, 4, 10)
-    assert kv == 4 * 10 * L * 2 * 1 * D * 4  # one key/value head
     per_block = (d * 3 * D + 3 * D) + (2 * d * D + 2 * D) + (3 * D * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 4 * d
     head = 2 * d + d * TINY["vocab_size"] + TINY["vocab_size"]
-    assert weights == 4 * (L * per_block + head) + 4 * 2 * d * 4  # float32; a token and a position row per sequence
-    cache = memory_bound.filled_cache(model, 4, 10)
-    assert kv == cache.keys[:, :, :, :10].nbytes + cache.values[:, :, :, :10].nbytes
+    assert memory_bound.weight_bytes(model, 4) == 4 * (L * per_block + head) + 4 * 2 * d * 4  # float32; a token
+    # and a position row per sequence
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_cache_bytes_are_the_entries_of_the_context_held(kv_bits):
+    model = GPTlite_GQA(**TINY | dict(seqlen=80), n_groups=1).eval()
+    L, D = TINY["n_layers"], TINY["d_head"]
+    cache = memory_bound.filled_cache(model, 4, 64, extra=8, kv_bits=kv_bits)
+    memory_bound.decode_steps(model, cache, 64, 4)(3)  # 3 more tokens written, then rolled back
+    float32 = 4 * 64 * L * 2 * D * 4
+    if kv_bits is None:  # one key/value head, float32
+        assert memory_bound.cache_bytes(cache, 64) == float32
+    else:  # KIVI: 2 blocks of 32 quantized, 4 bits a value plus scales
+        assert memory_bound.cache_bytes(cache, 64) == cache.nbytes < float32 / 3  # codes an eighth, scales at d_head 8
+        assert len(cache.blocks[0]) == 2 and cache.residual[0][0].shape[2] == 0  # the 3 new tokens rolled back
+    assert cache.n_tokens == 64
 
 
 def test_last_level_cache_is_the_largest_cache_or_none():
@@ -71,4 +83,5 @@ def test_attention_flops_scale_with_the_attended_width():
     per_head_token = 4 * TINY["n_layers"] * TINY["n_heads"]  # scores and weighted sum, 2 FLOPs per product
     assert memory_bound.attention_flops(gqa, 2, 10) == 2 * 10 * per_head_token * TINY["d_head"]  # heads, not groups
     assert memory_bound.attention_flops(mla, 2, 10) == 2 * 10 * per_head_token * 16  # absorbed: the latent's width
-    assert memory_bound.step_bytes(mla, 2, 10)[1] == 2 * 10 * TINY["n_layers"] * 16 * 4  # only the latents cached
+    cache = memory_bound.filled_cache(mla, 2, 10)
+    assert memory_bound.cache_bytes(cache, 10) == 2 * 10 * TINY["n_layers"] * 16 * 4  # only the latents cached

@@ -128,6 +128,32 @@ def test_kivi_quantizes_keys_per_channel_and_values_per_token_and_is_float32_bef
         torch.testing.assert_close(model(idx, qz.KIVICache(2, 2, 8, 16))[0], model(idx)[0], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("keep", [10, 9, 8, 4, 0])
+def test_kivi_rolls_back_to_what_a_cache_fed_only_those_tokens_holds(keep):
+    torch.manual_seed(0)
+    k, v, new_k, new_v = torch.randn(2, 3, 10, 8), torch.randn(2, 3, 10, 8), torch.randn(2, 3, 3, 8), torch.randn(2, 3, 3, 8)
+    rolled, fresh = qz.KIVICache(n_layers=1, bits=4, block=4), qz.KIVICache(n_layers=1, bits=4, block=4)
+    rolled.update(0, k, v)  # two blocks of 4 quantized, a residual of 2
+    rolled.n_tokens = 10
+    rolled.truncate(keep)
+    if keep:
+        fresh.update(0, k[:, :, :keep], v[:, :, :keep])
+    assert rolled.n_tokens == keep and len(rolled.blocks[0]) == keep // 4
+    for got, want in zip(rolled.update(0, new_k, new_v)[:2], fresh.update(0, new_k, new_v)[:2]):
+        assert torch.equal(got, want)
+    assert rolled.nbytes == fresh.nbytes
+
+
+def test_kivi_cannot_roll_back_into_a_quantized_block():
+    cache = qz.KIVICache(n_layers=1, bits=4, block=4)
+    cache.update(0, torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8))
+    cache.n_tokens = 10
+    with pytest.raises(ValueError, match="inside a block already quantized"):
+        cache.truncate(6)
+    with pytest.raises(ValueError, match="cannot keep 11 tokens"):
+        cache.truncate(11)
+
+
 @pytest.mark.parametrize("kwargs, match", [(dict(method="rtn", bits=4, group_size=48), "does not divide"),
                                            (dict(method="rtn", bits=3), "3 bits"), (dict(method="gptq"), "calibration"),
                                            (dict(method="int2"), "unknown method")])
