@@ -151,6 +151,26 @@ def shape_models(context, n_tokens, seed):
             for g in group_counts(config["n_heads"])}
 
 
+def shape_setup(batch_size, context, n_tokens, seed):
+    """The shape's models and their filled caches ({}, {} with batch_size 0: no such rows)."""
+    if not batch_size:
+        return {}, {}
+    models = shape_models(context, n_tokens, seed)
+    return models, {name: memory_bound.filled_cache(m, batch_size, context, n_tokens + 1, seed)
+                    for name, m in models.items()}
+
+
+def shape_measure(models, caches, batch_size, context, n_tokens, paths, repeats):
+    """(rows, bandwidth GB/s, last-level cache bytes): every variant at the shape on each path, round-robin."""
+    llc = memory_bound.last_level_cache_bytes()
+    if not models:
+        return [], None, llc
+    bandwidth = memory_bound.read_bandwidth() if "fast" in paths else None
+    views = {(name, path): fast_decode.on_path(m, path) for path in paths for name, m in models.items()}
+    return memory_bound.step_rows(views, models, caches, batch_size, context, n_tokens, repeats, bandwidth, llc,
+                                  reference="MHA"), bandwidth, llc
+
+
 def shape_checks(models, caches, batch_size, context, paths):
     """{check: ok}: on each variant's full random cache, one step of the fast path gives eager's logits."""
     if "fast" not in paths:
@@ -218,22 +238,15 @@ def main(argv=None):
         checks |= {f"{name}: fast path tokens = eager's": torch.equal(
             fast_decode.generate_fast(m, prompts[:8], args.n_tokens, preset.seqlen),
             generate_kvcache(m, prompts[:8], args.n_tokens, preset.seqlen)) for name, m in models.items()}
-    shape = {}
-    if args.shape_batch:  # the memory-bound shape: random weights and caches, time only
-        shape = shape_models(args.shape_context, args.shape_tokens, args.seed)
-        caches = {name: memory_bound.filled_cache(m, args.shape_batch, args.shape_context, args.shape_tokens + 1,
-                                                  args.seed) for name, m in shape.items()}
-        checks |= shape_checks(shape, caches, args.shape_batch, args.shape_context, args.paths)
+    shape, caches = shape_setup(args.shape_batch, args.shape_context, args.shape_tokens, args.seed)
+    checks |= shape_checks(shape, caches, args.shape_batch, args.shape_context, args.paths)
     harness.require_checks(checks)  # before anything is timed or written
 
     timings = iu.generation_figures(decode_fns(models, prompts, preset.seqlen, args.paths), args.n_tokens,
                                     args.batch_size, device, args.repeats)
     rows = [{**row, "path": path, **timings[row["variant"], path]} for path in args.paths for row in rows]
-    bandwidth = memory_bound.read_bandwidth() if shape and "fast" in args.paths else None
-    llc = memory_bound.last_level_cache_bytes()
-    views = {(name, path): fast_decode.on_path(m, path) for path in args.paths for name, m in shape.items()}
-    shape_table = memory_bound.step_rows(views, shape, caches, args.shape_batch, args.shape_context, args.shape_tokens, args.repeats,
-                                         bandwidth, llc, reference="MHA") if shape else []
+    shape_table, bandwidth, llc = shape_measure(shape, caches, args.shape_batch, args.shape_context, args.shape_tokens,
+                                                args.paths, args.repeats)
     print(f"\n{steps} uptraining steps per variant (lr {lr:g}, batch {preset.batch_size}); generation: batch "
           f"{args.batch_size}, prompts of {args.prompt_len}, {args.n_tokens} new tokens, median of {args.repeats} "
           f"runs; KV cache at a full window of {preset.seqlen} tokens")
