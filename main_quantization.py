@@ -22,10 +22,14 @@ the same round-robin: the fast kernel reads the int8 and int4 codes themselves. 
 fast path's kernel, float32, int8 and int4, on the same large matrix, beside one plain read of that matrix (the
 machine's read bandwidth, measured in this run). A third table decodes at the post's gptlite shape (70 MB of
 float32 weights, more than the cache; random weights, so only time is measured) on the fast path in float32,
-bfloat16, int8 and int4: TPOT against the bytes each step reads, the plot's third panel.
+bfloat16, int8 and int4: TPOT against the bytes each step reads, the plot's third panel. A fourth decodes there
+from full KV caches (--shape-batch sequences of --shape-context random entries; 0: none): a float32 cache against
+KIVI's, on the eager path (PyTorch dequantizes the cache's blocks at every step: the fast path has no KIVI
+kernel), float32 also on the fast path; TPOT against the bytes each step reads, the plot's fourth panel.
 
 Checks first: each weight-only variant's packed kernel gives the logits of its dequantize-then-matmul form
-(atol 1e-4). Nothing is timed or written unless they hold.
+(atol 1e-4); at the shape, a step over each KIVI cache gives the logits of one over a float32 cache holding its
+dequantized entries. Nothing is timed or written unless they hold.
 """
 import copy
 import math
@@ -273,9 +277,72 @@ def shape_rows(variants, prompt, n_tokens, repeats, bandwidth, llc):
     return rows
 
 
-def plot_results(rows, bench, shape_table, bandwidth, llc, preset, device):
-    fig, (ax_loss, ax_bench, ax_bytes) = harness.new_figure(3)
+def kv_shape_setup(kv_bits, block, batch_size, context, n_tokens, seed):
+    """The gptlite shape's model (random weights, a window of context + n_tokens + 1) and its full caches of
+    `context` random entries: {"float32": a static float32 cache, each KIVI row: a KIVI cache} ((None, {}) with
+    batch_size 0: no such rows)."""
+    if not batch_size:
+        return None, {}
+    torch.manual_seed(seed)
+    model = GPTlite_KVCache(**memory_bound.shape_config(context, n_tokens)).eval()
+    caches = {"float32": memory_bound.filled_cache(model, batch_size, context, n_tokens + 1, seed)}
+    return model, caches | {name: memory_bound.filled_cache(model, batch_size, context, seed=seed, kv_bits=bits,
+                                                            kv_block=block) for name, bits in kivi_names(kv_bits).items()}
+
+
+def kv_shape_checks(model, caches, batch_size, context, paths):
+    """{check: ok}: over each KIVI cache, a step's logits equal those over a float32 cache holding its dequantized
+    entries; on the fast path (in paths), float32's equal eager's."""
+    pairs = {}  # {subject: ((model, cache), (reference model, reference cache), what the reference is)}
+    for name, cache in caches.items():
+        cache.truncate(context)
+        if name != "float32":
+            pairs[name] = ((model, cache), (model, memory_bound.dequantized_copy(cache)),
+                           "those over a float32 cache of its dequantized entries")
+        elif "fast" in paths:
+            pairs["fast path, float32"] = ((fast_decode.native_view(model), cache), (model, cache), "eager's")
+    checks = {}
+    for subject, (got, want, against) in pairs.items():
+        diff = (memory_bound.decode_steps(*got, context, batch_size)(1)
+                - memory_bound.decode_steps(*want, context, batch_size)(1)).abs().max().item()
+        checks[f"{SHAPE} shape, batch {batch_size}, context {context}, {subject}: a step's logits = {against} "
+               f"(max |diff| {diff:.1e}, atol {ATOL:g})"] = diff <= ATOL
+    return checks
+
+
+def kv_shape_rows(model, caches, batch_size, context, n_tokens, paths, repeats, bandwidth, llc):
+    """Decoding at the shape from each full cache, round-robin: the KIVI rows on the eager path (their attention
+    is PyTorch's, over the blocks dequantized), float32 on each path; the bytes each step reads."""
+    if not caches:
+        return []
+    views = {(name, "eager"): model for name in caches} | (
+        {("float32", "fast"): fast_decode.native_view(model)} if "fast" in paths else {})
+    return memory_bound.step_rows(views, dict.fromkeys(caches, model), caches, batch_size, context, n_tokens, repeats,
+                                  bandwidth, llc, reference="float32")
+
+
+def shape_tables(shape_table, kv_table, kv_block):
+    """The tables at the gptlite shape that this run has."""
+    tables = [harness.table(SHAPE_TITLE, shape_table)] if shape_table else []
+    if kv_table:
+        title = memory_bound.shape_title(kv_table[0]["batch_size"], kv_table[0]["context"], "float32")
+        tables.append(harness.table(f"{title}; KIVI: {kv_block}-token blocks, the KV cache's bytes", kv_table))
+    return tables
+
+
+def headline(rows, bench):
+    """The README's one-glance row, from this run's rows."""
+    best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
+    return dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
+                figure=f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss "
+                       f"{best['loss_change']:+.4f}; int4 kernel {bench[3]['speedup_vs_float32']:.1f}x float32 "
+                       f"on a {bench[0]['weight_mb']:.0f} MB matrix")
+
+
+def plot_results(rows, bench, shape_table, kv_table, bandwidth, llc, preset, device):
+    fig, (ax_loss, ax_bench, ax_bytes, ax_kv) = harness.new_figure(4)
     plot_bytes(ax_bytes, shape_table, bandwidth, llc)
+    memory_bound.plot_step_rows(ax_kv, kv_table, bandwidth, llc)
     for r in rows:
         if r["bits_per_weight"] is not None and r["val_loss"] is not None:
             ax_loss.scatter(r["bits_per_weight"], r["loss_change"])
@@ -313,6 +380,7 @@ def parse_args(argv):
         help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)
     harness.add_paths_flag(parser)
+    memory_bound.add_shape_flags(parser)
     args = parser.parse_args(argv)
 
     def check_args(preset):
@@ -380,25 +448,26 @@ def main(argv=None):
                                                                                     tokens[name, "eager"])
                for name, path in fns if path == "fast"}
     shape = shape_variants(args.group_size, args.seed) if fast else {}
-    checks |= shape_checks(shape, prompts[:2], args.n_tokens)
+    kv_model, kv_caches = kv_shape_setup(args.kv_bits, args.kv_block, args.shape_batch, args.shape_context,
+                                         args.shape_tokens, args.seed)
+    checks |= shape_checks(shape, prompts[:2], args.n_tokens) | kv_shape_checks(
+        kv_model, kv_caches, args.shape_batch, args.shape_context, args.paths)
     harness.require_checks(checks)
     rows, path_rows = measure(models, plain, diffs, fns, prompts, tokens, data, args, preset)
     bench = matmul_benchmark(layers, x, args.repeats + 2)
     bandwidth = next((b["weight_GB_per_s"] for b in bench if b["variant"] == MEMORY_READ), None)
     llc = memory_bound.last_level_cache_bytes() or 32 * 2**20
     shape_table = shape_rows(shape, prompts[:1], args.n_tokens, args.repeats, bandwidth, llc) if shape else []
+    kv_table = kv_shape_rows(kv_model, kv_caches, args.shape_batch, args.shape_context, args.shape_tokens,
+                             args.paths, args.repeats, bandwidth, llc)
     summary = summary_lines(checks, path_rows, args)
-    best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
-    headline = dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
-                    figure=f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss "
-                           f"{best['loss_change']:+.4f}; int4 kernel {bench[3]['speedup_vs_float32']:.1f}x float32 "
-                           f"on a {bench[0]['weight_mb']:.0f} MB matrix")
-    harness.report(args, "main_quantization.py", preset, device, rows, headline, summary=summary,
+    harness.report(args, "main_quantization.py", preset, device, rows, headline(rows, bench), summary=summary,
                    tables=[harness.table("Greedy decoding on each path (TPOT ms; vs_float32: float32's TPOT on the "
                                          "same path / this one's)", path_rows),
                            harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)]
-                   + ([harness.table(SHAPE_TITLE, shape_table)] if shape_table else []),
-                   plot=lambda: plot_results(rows, bench, shape_table, bandwidth, llc, preset, device), checks=checks,
+                   + shape_tables(shape_table, kv_table, args.kv_block),
+                   plot=lambda: plot_results(rows, bench, shape_table, kv_table, bandwidth, llc, preset, device),
+                   checks=checks,
                    bandwidth_GB_per_s=bandwidth, last_level_cache_bytes=llc)
 
 

@@ -70,17 +70,17 @@ def read_bandwidth(nbytes=400 * 2**20, repeats=5):
     return nbytes / seconds / 1e9
 
 
-def filled_cache(model, batch_size, context, extra=64, seed=0, kv_bits=None):
+def filled_cache(model, batch_size, context, extra=64, seed=0, kv_bits=None, kv_block=32):
     """A cache for `model` holding `context` random entries per sequence, as if a prompt of that length had
     been encoded: a StaticKVCache of context + extra slots (its cached heads: GQA's groups); with kv_bits, a
-    KIVICache of that many bits (blocks of 32 quantized, the rest float32); for a GPTlite_MLA its dynamic cache
+    KIVICache of that many bits (blocks of kv_block tokens quantized, the rest float32); for a GPTlite_MLA its dynamic cache
     of random latents (grown by torch.cat, as its decoding does)."""
     torch.manual_seed(seed)
     c = model.config
     if isinstance(model, GPTlite_MLA):
         return DynamicKVCache([(torch.randn(batch_size, 1, context, c.d_latent),) for _ in range(c.n_layers)])
     if kv_bits is not None:
-        cache = KIVICache(c.n_layers, kv_bits)
+        cache = KIVICache(c.n_layers, kv_bits, kv_block)
         shape = (batch_size, cached_heads(model.blocks[0].mha), context, c.d_head)  # GQA: its groups
         for layer in range(c.n_layers):
             cache.update(layer, torch.randn(shape), torch.randn(shape))
@@ -91,6 +91,18 @@ def filled_cache(model, batch_size, context, extra=64, seed=0, kv_bits=None):
     cache.values[:, :, :, :context].normal_()
     cache.n_tokens = context
     return cache
+
+
+def dequantized_copy(cache, extra=64):
+    """A StaticKVCache (extra slots to spare) holding a KIVICache's entries as its attention reads them: the
+    reference that decoding steps over the KIVICache must equal."""
+    layers = [cache.dequantized(layer) for layer in range(len(cache.blocks))]  # [(keys, values) [B, H, n, D]]
+    B, H, n, D = layers[0][0].shape
+    static = StaticKVCache(len(layers), B, H, D, n + extra)
+    for layer, (k, v) in enumerate(layers):
+        static.update(layer, k, v)
+    static.n_tokens = n
+    return static
 
 
 def cache_bytes(cache, context):

@@ -404,11 +404,16 @@ class KIVICache(KVCache):
             kb, vb = k[:, :, start:start + self.block], v[:, :, start:start + self.block]  # [B, H, block, D]
             self.blocks[layer].append((quantize_asym(kb, self.bits, dim=2), quantize_asym(vb, self.bits, dim=3)))
         self.residual[layer] = (k[:, :, n_full:], v[:, :, n_full:])
-        B, H, _, D = k.shape
+        return (*self.dequantized(layer), None)
+
+    def dequantized(self, layer):
+        """The keys and values [B, H, n, D] of `layer` as attention reads them: the blocks dequantized, then the
+        float32 residual."""
+        B, H, _, D = self.residual[layer][0].shape
         shape = (B, H, self.block, D)
         keys = [dequantize_asym(*kq, self.bits, shape) for kq, _ in self.blocks[layer]] + [self.residual[layer][0]]
         values = [dequantize_asym(*vq, self.bits, shape) for _, vq in self.blocks[layer]] + [self.residual[layer][1]]
-        return torch.cat(keys, 2), torch.cat(values, 2), None
+        return torch.cat(keys, 2), torch.cat(values, 2)
 
     def truncate(self, n):
         """Keep tokens 0 .. n-1 (a rollback, as speculative decoding's): the blocks before n and the residual's

@@ -6,7 +6,7 @@ from conftest import TINY, randomized
 
 from gptlite_gqa import GPTlite_GQA
 from gptlite_kvcache import StaticKVCache
-from lib import fast_decode, memory_bound
+from lib import fast_decode, memory_bound, quantization as qz
 
 ATOL = 1e-5  # float32, the same operations in another grouping
 
@@ -70,6 +70,23 @@ def test_cache_bytes_are_the_entries_of_the_context_held(kv_bits):
         assert memory_bound.cache_bytes(cache, 64) == cache.nbytes < float32 / 3  # codes an eighth, scales at d_head 8
         assert len(cache.blocks[0]) == 2 and cache.residual[0][0].shape[2] == 0  # the 3 new tokens rolled back
     assert cache.n_tokens == 64
+
+
+def test_a_kivi_caches_dequantized_copy_holds_what_its_attention_reads():
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 40, 8), torch.randn(2, 3, 40, 8)  # one block of 32 and 8 tokens of residual
+    cache = qz.KIVICache(1, 4, block=32)
+    cache.update(0, k, v)
+    cache.n_tokens = 40
+    copy = memory_bound.dequantized_copy(cache, extra=4)
+    assert copy.max_seqlen == 44 and copy.n_tokens == 40
+    keys, values = copy.layers[0][0][:, :, :40], copy.layers[0][1][:, :, :40]
+    step = lambda x, dim: (x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)) / 15  # noqa: E731
+    # the block: within half a 4-bit step of the entries (keys over the block's tokens, values over channels)
+    assert ((keys[:, :, :32] - k[:, :, :32]).abs() <= step(k[:, :, :32], 2) / 2 + 1e-6).all()
+    assert ((values[:, :, :32] - v[:, :, :32]).abs() <= step(v[:, :, :32], 3) / 2 + 1e-6).all()
+    assert not torch.equal(keys[:, :, :32], k[:, :, :32])  # quantized, not a copy of the float entries
+    assert torch.equal(keys[:, :, 32:], k[:, :, 32:]) and torch.equal(values[:, :, 32:], v[:, :, 32:])  # the residual
 
 
 def test_last_level_cache_is_the_largest_cache_or_none():

@@ -167,7 +167,8 @@ def test_bad_quantization_settings_are_clear_errors(kwargs, match):
 
 
 QUICK = ["--preset", "cpu", "--device", "cpu", "--n-tokens", "4", "--prompt-len", "8", "--repeats", "1",
-         "--val-batches", "1", "--calib-windows", "2", "--bench-size", "256"]
+         "--val-batches", "1", "--calib-windows", "2", "--bench-size", "256", "--shape-batch", "2", "--shape-context",
+         "64", "--shape-tokens", "2"]
 
 
 @pytest.mark.parametrize("flags, match", [(["--group-size", "48"], "--group-size"), (["--kv-bits", "3"], "--kv-bits"),
@@ -189,14 +190,14 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert all(r["kernel_eq_dequant"] == "yes" for n, r in rows.items() if n.startswith(("int8", "int4")))
     assert rows["int4 g32, RTN"]["bits_per_weight"] < rows["int8 per channel, RTN"]["bits_per_weight"] < 12
     assert rows["KIVI 2-bit KV cache"]["kv_bytes_per_token"] < rows["KIVI 4-bit KV cache"]["kv_bytes_per_token"] < 4096
-    paths, bench, shape = (t["rows"] for t in result["tables"])
+    paths, bench, shape, kv = (t["rows"] for t in result["tables"])
     assert [(r["variant"], r["path"]) for r in paths] == [(v, p) for p in ("eager", "fast") for v in mq.fast_variants(32)]
     assert all(r["vs_float32_b1"] in (1.0, None) for r in paths if r["variant"] == "float32")  # None: TPOT in the noise
     assert [r["variant"] for r in bench][4:] == ["float32 fast path kernel", "int8 fast path kernel",
                                                  "int4 g32 fast path kernel", mq.MEMORY_READ]
     assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1, 0.0, 0.2]  # 256 x 256: float32 (and a zero bias), int8, int4
     assert bench[-1]["share_of_bandwidth"] == 1.0 and result["bandwidth_GB_per_s"] == bench[-1]["weight_GB_per_s"] > 0
-    assert sum("fast path" in check for check in result["checks"]) == 4 + 3 + 4 and all(result["checks"].values())
+    assert sum("fast path" in check for check in result["checks"]) == 4 + 3 + 4 + 1 and all(result["checks"].values())
     # the gptlite shape: four weight forms on the fast path and eager float32, the bytes each step reads
     assert [(r["variant"], r["path"]) for r in shape] == [(v, "fast") for v in ("float32", "bfloat16",
                                                           "int8 per channel, RTN", "int4 g32, RTN")] + [("float32", "eager")]
@@ -205,6 +206,13 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert weights[0] > 64 and weights[0] / 1.9 > weights[1] > weights[0] / 2 and weights[1] > 2 * weights[3]  # the head stays float32
     assert [r["in_cache"] for r in shape] == ["no" if w > result["last_level_cache_bytes"] / 2**20 else "yes"
                                               for w in [r["weight_mb"] for r in shape]]
+    # the KV cache at the shape: float32 on each path, KIVI on eager, each checked before timing
+    assert [(r["variant"], r["path"]) for r in kv] == [("float32", "eager"), ("KIVI 4-bit KV cache", "eager"),
+                                                       ("KIVI 2-bit KV cache", "eager"), ("float32", "fast")]
+    assert all(r["shape"] == "gptlite" and r["batch_size"] == 2 and r["context"] == 64 for r in kv)
+    assert kv[0]["kv_mb"] == round(2 * 6 * 2 * 6 * 64 * 64 * 4 / 2**20, 1) == kv[3]["kv_mb"]  # 2 x L x B x H x ctx x D
+    assert kv[0]["kv_mb"] / 4 > kv[1]["kv_mb"] > kv[2]["kv_mb"] and kv[0]["tpot_vs_float32"] in (1.0, None)
+    assert sum("dequantized entries" in c for c in result["checks"]) == 2
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -212,8 +220,10 @@ def test_the_eager_path_alone_has_no_fast_rows(real_data, tmp_path):
     out_json = tmp_path / "q.json"
     mq.main(["--untrained", "--paths", "eager", "--kv-bits", "4", "--json", str(out_json)] + QUICK)
     result = json.loads(out_json.read_text())
-    paths, bench = (t["rows"] for t in result["tables"])  # no shape table: it is timed on the fast path
+    paths, bench, kv = (t["rows"] for t in result["tables"])  # no weights' shape table: it is timed on the fast path
     assert {r["path"] for r in paths} == {"eager"} and len(bench) == 4 and result["bandwidth_GB_per_s"] is None
+    assert [(r["variant"], r["path"]) for r in kv] == [("float32", "eager"), ("KIVI 4-bit KV cache", "eager")]
+    assert kv[0]["at_bandwidth_ms"] is None  # the bandwidth is measured with the fast path's extension
 
 
 def test_paths_fast_without_a_compiler_is_a_clear_error_before_any_work(capsys, monkeypatch):
