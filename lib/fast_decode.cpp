@@ -260,11 +260,171 @@ Model make_model(const std::vector<torch::Tensor>& w, const std::vector<torch::T
   return m;
 }
 
+// Softmax attention of one query q [D] over n cached tokens into out [D], the scores in s [n]:
+// score(j) is q . k_j, add_value(j, w, out) adds w v_j to out; both read the cache's own form.
+template <typename Score, typename AddValue>
+void attend(int64_t n, float scale, float* s, float* out, int64_t D, Score score, AddValue add_value) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j] = score(j) / scale);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  for (int64_t e = 0; e < D; ++e) out[e] = 0.f;
+  for (int64_t j = 0; j < n; ++j) add_value(j, s[j] / sum, out);
+}
+
+// The float32 cache: a StaticKVCache's buffers [L, B, G, S, D]; token t in slot t % S.
+struct FloatKV {
+  float* keys;
+  float* values;
+  int64_t B, G, S, D;
+  int64_t capacity() const { return S; }
+  void write(int64_t l, int64_t b, int64_t g, int64_t t, const float* k, const float* v) {
+    const int64_t at = (((l * B + b) * G + g) * S + t % S) * D;
+    std::copy(k, k + D, keys + at);
+    std::copy(v, v + D, values + at);
+  }
+  void attend_one(int64_t l, int64_t b, int64_t g, const float* q, int64_t n, int64_t, float scale, float* s,
+                  float* out) const {
+    const float* K = keys + ((l * B + b) * G + g) * S * D;
+    const float* V = values + ((l * B + b) * G + g) * S * D;
+    const int64_t D_ = D;
+    attend(n, scale, s, out, D, [&](int64_t j) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t e = 0; e < D_; ++e) dot += q[e] * K[j * D_ + e];
+      return dot;
+    }, [&](int64_t j, float w, float* o) {
+#pragma omp simd
+      for (int64_t e = 0; e < D_; ++e) o[e] += w * V[j * D_ + e];
+    });
+  }
+};
+
+// 32 codes of `bits` (4 or 2) as four vectors of floats, from 32 * bits / 8 bytes in which code p sits in
+// byte p % (32 / P) at slot p / (32 / P) (P = 8 / bits codes a byte; at 4 bits this is widen4's layout).
+inline void widen_codes(const uint8_t* p, int64_t bits, v8* w) {
+  if (bits == 4) return widen4(p, w);
+#if defined(__AVX2__)
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x03);
+  for (int i = 0; i < 4; ++i)
+    w[i] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 2 * i), mask)));
+#else
+  for (int c = 0; c < 32; ++c) w[c / 8][c % 8] = (p[c % 8] >> (2 * (c / 8))) & 0x03;
+#endif
+}
+
+// A KIVI cache (lib/fast_decode.py's PackedKIVICache): tokens in blocks of C = 32; each full block
+// quantized to `bits` (keys per channel, values per token: min and max, x = code * scale + lo), the latest
+// partial block in float32 (the residual), quantized as soon as it fills, before attention reads it (as
+// lib/quantization.KIVICache.update). Codes go in groups of 32 (widen_codes' layout, 32 * bits / 8 bytes):
+// a block's keys channel by channel, each channel's 32 tokens one group (kq [L, B, G, NB, D, 4 * bits]);
+// a token's values in groups of 32 channels (vq [L, B, G, NB, C, D * bits / 8]). ks, kl [L, B, G, NB, D];
+// vs, vl [L, B, G, NB, C]; rk, rv [L, B, G, C, D]. Attention never dequantizes: a block's 32 scores are
+// sum_e (q[e] ks[e]) codes[e, :] + q . kl, the int4 panel product with the tokens as its columns, and its
+// values add sum_r (w_r vs_r) codes[r, :] to the output and sum_r w_r vl_r to every channel.
+struct KiviKV {
+  uint8_t *kq, *vq;
+  float *ks, *kl, *vs, *vl, *rk, *rv;
+  int64_t B, G, NB, C, D, bits;
+  int64_t capacity() const { return NB * C; }
+  int64_t group_bytes() const { return 4 * bits; }  // 32 codes
+  int64_t head(int64_t l, int64_t b, int64_t g) const { return (l * B + b) * G + g; }
+  void write(int64_t l, int64_t b, int64_t g, int64_t t, const float* k, const float* v) {
+    const int64_t h = head(l, b, g);
+    std::copy(k, k + D, rk + (h * C + t % C) * D);
+    std::copy(v, v + D, rv + (h * C + t % C) * D);
+    if ((t + 1) % C == 0) seal(h, t / C);
+  }
+  // x [C, D] quantized with the min and max of each column (keys) or row (values), as quantize_asym.
+  void quantize(const float* x, bool keys, uint8_t* codes, float* scale, float* lo) const {
+    const float levels = static_cast<float>((1 << bits) - 1);
+    const int64_t n_stats = keys ? D : C, span = keys ? C : D, P = 8 / bits, lanes = 32 / P;
+    for (int64_t i = 0; i < n_stats; ++i) {
+      float mn = INFINITY, mx = -INFINITY;
+      for (int64_t r = 0; r < span; ++r) {
+        const float value = keys ? x[r * D + i] : x[i * D + r];
+        mn = std::min(mn, value);
+        mx = std::max(mx, value);
+      }
+      scale[i] = std::max((mx - mn) / levels, 1e-8f);
+      lo[i] = mn;
+    }
+    std::fill(codes, codes + C * D / P, 0);
+    for (int64_t r = 0; r < C; ++r)
+      for (int64_t e = 0; e < D; ++e) {
+        const int64_t stat = keys ? e : r;
+        const float code = std::min(std::max(std::nearbyint((x[r * D + e] - lo[stat]) / scale[stat]), 0.f), levels);
+        const int64_t group = keys ? e : r * (D / 32) + e / 32, p = keys ? r : e % 32;  // 32 codes a group
+        codes[group * group_bytes() + p % lanes] |= static_cast<uint8_t>(code) << (bits * (p / lanes));
+      }
+  }
+  void seal(int64_t h, int64_t block) {
+    const int64_t hb = h * NB + block;
+    quantize(rk + h * C * D, true, kq + hb * C * D * bits / 8, ks + hb * D, kl + hb * D);
+    quantize(rv + h * C * D, false, vq + hb * C * D * bits / 8, vs + hb * C, vl + hb * C);
+  }
+  // written: the tokens written so far (this pass's included); those of its full blocks are quantized.
+  void attend_one(int64_t l, int64_t b, int64_t g, const float* q, int64_t n, int64_t written, float scale, float* s,
+                  float* out) const {
+    const int64_t h = head(l, b, g), sealed = std::min(written / C * C, n), n_blocks = (sealed + C - 1) / C;
+    const int64_t block_bytes = C * D * bits / 8;
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < n_blocks; ++c) {  // 32 scores a block
+      const int64_t hb = h * NB + c;
+      const float *sc = ks + hb * D, *mn = kl + hb * D;
+      const uint8_t* codes = kq + hb * block_bytes;
+      v8 acc[4] = {};
+      float q0 = 0.f;
+      for (int64_t e = 0; e < D; ++e) {
+        v8 w[4];
+        widen_codes(codes + e * group_bytes(), bits, w);
+        const float xe = q[e] * sc[e];
+        q0 += q[e] * mn[e];
+        for (int j = 0; j < 4; ++j) acc[j] += xe * w[j];
+      }
+      for (int64_t r = 0; r < std::min(C, n - c * C); ++r) mx = std::max(mx, s[c * C + r] = (acc[r / 8][r % 8] + q0) / scale);
+    }
+    for (int64_t j = sealed; j < n; ++j) {  // the float32 residual
+      const float* k = rk + (h * C + j % C) * D;
+      float dot = 0.f;
+      for (int64_t e = 0; e < D; ++e) dot += q[e] * k[e];
+      mx = std::max(mx, s[j] = dot / scale);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+    for (int64_t e = 0; e < D; ++e) out[e] = 0.f;
+    float offset = 0.f;  // sum_j w_j vl_j over the quantized tokens
+    for (int64_t c = 0; c < n_blocks; ++c) {
+      const int64_t hb = h * NB + c, m = std::min(C, n - c * C);
+      for (int64_t r = 0; r < m; ++r) offset += s[c * C + r] / sum * vl[hb * C + r];
+      for (int64_t k = 0; k < D / 32; ++k) {  // 32 channels at a time
+        v8 acc[4] = {};
+        for (int64_t r = 0; r < m; ++r) {
+          v8 w[4];
+          widen_codes(vq + hb * block_bytes + r * D * bits / 8 + k * group_bytes(), bits, w);
+          const float ws = s[c * C + r] / sum * vs[hb * C + r];
+          for (int j = 0; j < 4; ++j) acc[j] += ws * w[j];
+        }
+        for (int j = 0; j < 32; ++j) out[k * 32 + j] += acc[j / 8][j % 8];
+      }
+    }
+    for (int64_t j = sealed; j < n; ++j) {
+      const float* v = rv + (h * C + j % C) * D;
+      const float w = s[j] / sum;
+#pragma omp simd
+      for (int64_t e = 0; e < D; ++e) out[e] += w * v[e];
+    }
+    for (int64_t e = 0; e < D; ++e) out[e] += offset;
+  }
+};
+
 // The blocks over T new tokens per row, tokens start .. start+T-1 of the sequence: idx [B, T] -> x [B*T,
-// d_model], the last block's output (before the final LayerNorm). keys, values: [L, B, G, S, D], written
-// in place. T > 1 must fit the buffer unwrapped (start + T <= S): past it, tokens come one at a time.
-std::vector<float> blocks(const Model& m, const int64_t* idx, int64_t B, int64_t T, int64_t start,
-                          float* keys, float* values, int64_t G, int64_t S) {
+// d_model], the last block's output (before the final LayerNorm), the new keys and values written to the
+// cache `kv` (FloatKV or KiviKV, capacity S tokens). T > 1 must fit the buffer unwrapped (start + T <= S):
+// past it, tokens come one at a time (a FloatKV then wraps).
+template <typename KV>
+std::vector<float> blocks(const Model& m, const int64_t* idx, int64_t B, int64_t T, int64_t start, KV& kv, int64_t G) {
+  const int64_t S = kv.capacity();
   TORCH_CHECK(T == 1 || start + T <= S, "a pass of ", T, " tokens from token ", start, " wraps the cache of ", S);
   const int64_t d = m.d_model, H = m.n_heads, D = m.d_head, M = B * T, per_group = H / G;
   std::vector<float> x(M * d), h(M * d), q(M * H * D), k(M * G * D), v(M * G * D), att(M * H * D),
@@ -279,43 +439,21 @@ std::vector<float> blocks(const Model& m, const int64_t* idx, int64_t B, int64_t
     linear(h.data(), m.layer_lin(l, 2), m.layer(l, 3), q.data(), M, d, H * D);
     linear(h.data(), m.layer_lin(l, 4), m.layer(l, 5), k.data(), M, d, G * D);
     linear(h.data(), m.layer_lin(l, 6), m.layer(l, 7), v.data(), M, d, G * D);
-    float* K = keys + l * B * G * S * D;  // [B, G, S, D]
-    float* V = values + l * B * G * S * D;
-    for (int64_t b = 0; b < B; ++b)  // the new keys and values into their slots
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t j = 0; j < D; ++j) {
-            K[((b * G + g) * S + (start + t) % S) * D + j] = k[(b * T + t) * G * D + g * D + j];
-            V[((b * G + g) * S + (start + t) % S) * D + j] = v[(b * T + t) * G * D + g * D + j];
-          }
+    at::parallel_for(0, B * G, 1, [&](int64_t i0, int64_t i1) {  // the new keys and values, token by token
+      for (int64_t bg = i0; bg < i1; ++bg)
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t b = bg / G, g = bg % G, row = ((b * T + t) * G + g) * D;
+          kv.write(l, b, g, start + t, k.data() + row, v.data() + row);
+        }
+    });
     at::parallel_for(0, B * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, T * (start + T) * D)),
                      [&](int64_t i0, int64_t i1) {
       std::vector<float> s(std::min(start + T, S));
       for (int64_t bh = i0; bh < i1; ++bh) {
         const int64_t b = bh / H, hd = bh % H, g = hd / per_group;
-        const float* Kg = K + (b * G + g) * S * D;
-        const float* Vg = V + (b * G + g) * S * D;
-        for (int64_t t = 0; t < T; ++t) {
-          const float* qt = q.data() + (b * T + t) * H * D + hd * D;
-          const int64_t n = std::min(start + t + 1, S);  // slots 0 .. start+t: the causal mask
-          float mx = -INFINITY;
-          for (int64_t j = 0; j < n; ++j) {
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t e = 0; e < D; ++e) dot += qt[e] * Kg[j * D + e];
-            s[j] = dot / scale;
-            mx = std::max(mx, s[j]);
-          }
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
-          float* out = att.data() + (b * T + t) * H * D + hd * D;
-          for (int64_t e = 0; e < D; ++e) out[e] = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            const float wj = s[j] / sum;
-#pragma omp simd
-            for (int64_t e = 0; e < D; ++e) out[e] += wj * Vg[j * D + e];
-          }
-        }
+        for (int64_t t = 0; t < T; ++t)  // slots 0 .. start+t: the causal mask (all S once wrapped)
+          kv.attend_one(l, b, g, q.data() + (b * T + t) * H * D + hd * D, std::min(start + t + 1, S), start + T, scale, s.data(),
+                        att.data() + (b * T + t) * H * D + hd * D);
       }
     });
     linear(att.data(), m.layer_lin(l, 8), m.layer(l, 9), o.data(), M, H * D, d);
@@ -344,18 +482,37 @@ int64_t argmax(const float* row, int64_t n) {
   return best;
 }
 
+// The last block's output x [B*T, d] as a tensor [B, T, d] (with_head false), or the logits [B, T, vocab].
+torch::Tensor output(const Model& m, const std::vector<float>& x, int64_t B, int64_t T, bool with_head) {
+  if (!with_head) return torch::from_blob(const_cast<float*>(x.data()), {B, T, m.d_model}, torch::kFloat32).clone();
+  torch::Tensor logits = torch::empty({B, T, m.vocab}, torch::kFloat32);
+  head(m, x.data(), logits.data_ptr<float>(), B * T);
+  return logits;
+}
+
 // forward: idx [B, T] at positions start .. start+T-1 through the cache -> the last block's output
 // [B, T, d_model] (with_head false), or the logits [B, T, vocab].
 torch::Tensor forward(const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& s, int64_t n_heads, double eps, torch::Tensor idx,
                       int64_t start, torch::Tensor keys, torch::Tensor values, bool with_head) {
   const Model m = make_model(w, s, n_heads, eps);
-  const int64_t B = idx.size(0), T = idx.size(1), G = keys.size(2), S = keys.size(3);
-  std::vector<float> x = blocks(m, idx.data_ptr<int64_t>(), B, T, start, keys.data_ptr<float>(),
-                                values.data_ptr<float>(), G, S);
-  if (!with_head) return torch::from_blob(x.data(), {B, T, m.d_model}, torch::kFloat32).clone();
-  torch::Tensor logits = torch::empty({B, T, m.vocab}, torch::kFloat32);
-  head(m, x.data(), logits.data_ptr<float>(), B * T);
-  return logits;
+  const int64_t B = idx.size(0), G = keys.size(2);
+  FloatKV kv{keys.data_ptr<float>(), values.data_ptr<float>(), B, G, keys.size(3), m.d_head};
+  return output(m, blocks(m, idx.data_ptr<int64_t>(), B, idx.size(1), start, kv, G), B, idx.size(1), with_head);
+}
+
+// forward_kivi: forward through a KIVI cache (KiviKV; lib/fast_decode.py's PackedKIVICache), its buffers
+// in the order kq, ks, kl, vq, vs, vl, rk, rv.
+torch::Tensor forward_kivi(const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& s, int64_t n_heads,
+                           double eps, torch::Tensor idx, int64_t start, const std::vector<torch::Tensor>& c,
+                           int64_t bits, bool with_head) {
+  const Model m = make_model(w, s, n_heads, eps);
+  TORCH_CHECK(c.size() == 8 && c[0].dim() == 6 && c[4].size(4) == 32 && m.d_head % 32 == 0 && (bits == 4 || bits == 2),
+              "a PackedKIVICache's eight buffers: blocks of 32 tokens, d_head a multiple of 32, 4 or 2 bits");
+  const int64_t B = idx.size(0), G = c[0].size(2);
+  KiviKV kv{c[0].data_ptr<uint8_t>(), c[3].data_ptr<uint8_t>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(),
+            c[4].data_ptr<float>(), c[5].data_ptr<float>(), c[6].data_ptr<float>(), c[7].data_ptr<float>(),
+            B, G, c[0].size(3), c[4].size(4), m.d_head, bits};
+  return output(m, blocks(m, idx.data_ptr<int64_t>(), B, idx.size(1), start, kv, G), B, idx.size(1), with_head);
 }
 
 // generate: greedy decoding of n_tokens after prompt [B, P] from an empty cache -> [B, P + n_tokens].
@@ -363,7 +520,8 @@ torch::Tensor forward(const std::vector<torch::Tensor>& w, const std::vector<tor
 torch::Tensor generate(const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& s, int64_t n_heads, double eps, torch::Tensor prompt,
                        int64_t n_tokens, torch::Tensor keys, torch::Tensor values) {
   const Model m = make_model(w, s, n_heads, eps);
-  const int64_t B = prompt.size(0), P = prompt.size(1), G = keys.size(2), S = keys.size(3), d = m.d_model;
+  const int64_t B = prompt.size(0), P = prompt.size(1), G = keys.size(2), d = m.d_model;
+  FloatKV kv{keys.data_ptr<float>(), values.data_ptr<float>(), B, G, keys.size(3), m.d_head};
   torch::Tensor out = torch::empty({B, P + n_tokens}, torch::kInt64);
   int64_t* seq = out.data_ptr<int64_t>();
   const int64_t* p = prompt.data_ptr<int64_t>();
@@ -372,7 +530,7 @@ torch::Tensor generate(const std::vector<torch::Tensor>& w, const std::vector<to
   std::vector<float> last(B * d), logits(B * m.vocab);
   int64_t start = 0, T = P;
   for (int64_t step = 0; step < n_tokens; ++step) {
-    std::vector<float> x = blocks(m, token.data(), B, T, start, keys.data_ptr<float>(), values.data_ptr<float>(), G, S);
+    std::vector<float> x = blocks(m, token.data(), B, T, start, kv, G);
     for (int64_t b = 0; b < B; ++b)  // each row's last position
       std::copy(x.begin() + ((b + 1) * T - 1) * d, x.begin() + (b + 1) * T * d, last.begin() + b * d);
     head(m, last.data(), logits.data(), B);
@@ -425,6 +583,7 @@ double read_sum(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "GPTlite's cached forward pass over new tokens (see fast_decode.py)");
+  module.def("forward_kivi", &forward_kivi, "the cached forward pass through a KIVI cache (see fast_decode.py)");
   module.def("generate", &generate, "greedy decoding from an empty cache (see fast_decode.py)");
   module.def("linear", &linear_op, "one linear layer on a packed weight (see fast_decode.py)");
   module.def("read_sum", &read_sum, "the sum of a float32 tensor, read at the memory's speed (see fast_decode.py)");

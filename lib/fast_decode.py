@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from gptlite import GPTlite, Block, MultiHeadAttention, FeedForward, check_generation_args
-from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, MultiHeadAttention_KVCache, StaticKVCache,
-                             kv_cache_view)
+from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, KVCache, MultiHeadAttention_KVCache, StaticKVCache,
+                             cached_heads, kv_cache_view)
 from gptlite_gqa import GPTlite_GQA, MultiHeadAttention_GQA
 from lib.errors import GPTliteError
 from lib import quantization as qz
@@ -169,13 +169,107 @@ def linear(x, weight, scale, bias):
                               bias.float().contiguous())
 
 
+def lanes(codes, bits):
+    """Codes [..., 32] in 0..2^bits-1 packed as lib/fast_decode.cpp's widen_codes reads them, [..., 32 * bits / 8]:
+    code p in byte p % (32 / P), at bits * (p // (32 / P)) (P = 8 / bits codes a byte)."""
+    per = 8 // bits
+    groups = codes.to(torch.uint8).view(*codes.shape[:-1], per, 32 // per)
+    return sum(groups[..., i, :] << (bits * i) for i in range(per)).to(torch.uint8)
+
+
+class PackedKIVICache(KVCache):
+    """A KIVI cache (lib/quantization.KIVICache's: blocks of 32 tokens quantized to 4 or 2 bits, keys per channel
+    and values per token, min and max; the latest partial block in float32, quantized as soon as it fills) in
+    preallocated buffers that lib/fast_decode.cpp (KiviKV) writes and reads: the fast path's attention works on
+    the codes, never on a dequantized copy. Codes in groups of 32 (`lanes`): a block's keys channel by channel,
+    each channel's 32 tokens a group; a token's values 32 channels a group. No window: at most max_seqlen
+    tokens."""
+
+    BLOCK = 32  # tokens per block: one group of codes per key channel
+
+    def __init__(self, n_layers, batch_size, n_heads, d_head, max_seqlen, bits, block=BLOCK):
+        qz.check_bits(bits, qz.KV_BITS)
+        if block != self.BLOCK or d_head % 32:
+            raise ValueError(f"the fast path's KIVI kernel reads blocks of {self.BLOCK} tokens and heads a multiple of "
+                             f"32 wide; got blocks of {block}, d_head {d_head}: use the eager KIVICache")
+        n_blocks, C, D = -(-max_seqlen // block), block, d_head
+        heads = (n_layers, batch_size, n_heads, n_blocks)
+        self.kq = torch.zeros(*heads, D, C * bits // 8, dtype=torch.uint8)  # [.., block, channel, its tokens' codes]
+        self.vq = torch.zeros(*heads, C, D * bits // 8, dtype=torch.uint8)  # [.., block, token, its channels' codes]
+        self.ks, self.kl = torch.zeros(*heads, D), torch.zeros(*heads, D)  # keys: per block and channel
+        self.vs, self.vl = torch.zeros(*heads, C), torch.zeros(*heads, C)  # values: per token
+        self.rk, self.rv = (torch.zeros(n_layers, batch_size, n_heads, C, D) for _ in range(2))  # the residual
+        self.bits, self.block, self.max_seqlen, self.n_tokens = bits, block, max_seqlen, 0
+
+    @classmethod
+    def for_model(cls, model, batch_size, bits, block=BLOCK, max_seqlen=None):
+        c = model.config
+        return cls(c.n_layers, batch_size, cached_heads(model.blocks[0].mha), c.d_head, max_seqlen or model.seqlen,
+                   bits, block)
+
+    @classmethod
+    def from_kivi(cls, kivi, max_seqlen):
+        """The entries of a lib/quantization.KIVICache (the same codes, scales and residual) in this layout."""
+        (B, H, _, D), L = kivi.residual[0][0].shape, len(kivi.blocks)
+        cache = cls(L, B, H, D, max_seqlen, kivi.bits, kivi.block)
+        codes = lambda packed: qz.unpack(packed, kivi.bits)[..., :D]  # noqa: E731  [B, H, block, D]
+        for layer in range(L):
+            for c, ((kq, ks, kl), (vq, vs, vl)) in enumerate(kivi.blocks[layer]):
+                cache.kq[layer, :, :, c] = lanes(codes(kq).transpose(2, 3), kivi.bits)  # [B, H, D, tokens]
+                cache.vq[layer, :, :, c] = lanes(codes(vq).unflatten(3, (D // 32, 32)), kivi.bits).flatten(3)
+                cache.ks[layer, :, :, c], cache.kl[layer, :, :, c] = ks[:, :, 0], kl[:, :, 0]
+                cache.vs[layer, :, :, c], cache.vl[layer, :, :, c] = vs[..., 0], vl[..., 0]
+            r = kivi.residual[layer]
+            cache.rk[layer, :, :, :r[0].shape[2]], cache.rv[layer, :, :, :r[1].shape[2]] = r
+        cache.n_tokens = kivi.n_tokens
+        return cache
+
+    @property
+    def buffers(self):
+        return [self.kq, self.ks, self.kl, self.vq, self.vs, self.vl, self.rk, self.rv]
+
+    def __len__(self):
+        return self.n_tokens
+
+    def check_new_tokens(self, T):
+        if self.n_tokens + T > self.max_seqlen:
+            raise ValueError(f"{self.n_tokens} cached + {T} new tokens exceed the KIVI cache's {self.max_seqlen}")
+
+    def truncate(self, n):
+        """Keep tokens 0 .. n-1: as KIVICache.truncate, n at a block boundary or inside the float residual."""
+        self.check_truncate(n)
+        sealed = self.n_tokens // self.block * self.block
+        if n < sealed and n % self.block:
+            raise ValueError(f"KIVI cannot roll back to {n} tokens: token {n} is inside a block already quantized "
+                             f"(blocks of {self.block}); keep a multiple of {self.block}, or at least {sealed}")
+        self.n_tokens = n
+
+    @property
+    def nbytes(self):
+        """Bytes of the entries held (as KIVICache.nbytes): the full blocks' codes, scales and minimums, and the
+        residual's float32 tokens."""
+        n_blocks, r = divmod(self.n_tokens, self.block)
+        per_block = sum(t[:, :, :, 0].nbytes for t in (self.kq, self.ks, self.kl, self.vq, self.vs, self.vl))
+        return n_blocks * per_block + 2 * self.rk[:, :, :, :r].nbytes
+
+
 class GPTlite_Native(GPTlite_KVCache):
-    """A GPTlite_KVCache whose cached forward pass through a StaticKVCache is the C++ one (native_view)."""
+    """A GPTlite_KVCache whose cached forward pass through a StaticKVCache (or a PackedKIVICache) is the C++ one
+    (native_view)."""
 
     def native_pass(self, idx, cache, with_head):
+        if isinstance(cache, PackedKIVICache):
+            cache.check_new_tokens(idx.shape[1])
+            if cache.n_tokens + idx.shape[1] > self.seqlen:
+                raise ValueError(f"{cache.n_tokens} cached + {idx.shape[1]} new tokens exceed the model's "
+                                 f"{self.seqlen} positions")
+            out = extension().forward_kivi(self.weights, self.scales, self.config.n_heads, self.ln.eps,
+                                           idx.contiguous(), cache.n_tokens, cache.buffers, cache.bits, with_head)
+            cache.advance(idx.shape[1])
+            return out
         if not isinstance(cache, StaticKVCache):
-            raise ValueError(f"the fast decode path writes a StaticKVCache's buffers; got a {type(cache).__name__}: "
-                             "use StaticKVCache.for_model(model, batch_size)")
+            raise ValueError(f"the fast decode path writes a StaticKVCache's or a PackedKIVICache's buffers; got a "
+                             f"{type(cache).__name__}: use StaticKVCache.for_model(model, batch_size)")
         cache.check_new_tokens(idx.shape[1])
         T, n, S = idx.shape[1], cache.n_tokens, cache.max_seqlen
         if T > 1 and n + T > S:  # past the window: fill it, then one token at a time (as the eager pass)

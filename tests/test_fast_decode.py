@@ -284,3 +284,73 @@ def test_generate_no_cache_equals_generate_within_and_past_the_window(name):
             seq = torch.cat([seq, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
         expected = seq
     assert torch.equal(fast_decode.generate_no_cache(model, prompt, 20, 8), expected)
+
+
+# KIVI on the fast path: lib/fast_decode.cpp's KiviKV against the eager lib/quantization.KIVICache, the
+# reference that dequantizes its blocks and runs the model's attention. Heads of 32 (the kernel's groups of
+# 32 codes), blocks of 32 tokens; a prompt of 45 seals one block inside the prefill, 40 steps seal another.
+KIVI_SHAPE = dict(d_model=64, n_heads=2, d_head=32, seqlen=128)
+
+
+def kivi_model(n_groups=None):
+    if n_groups:  # 4 query heads, 2 key/value heads
+        return randomized(GPTlite_GQA(**dict(TINY, **KIVI_SHAPE) | dict(n_heads=4, d_model=128), n_groups=n_groups))
+    return randomized(GPTlite(**dict(TINY, **KIVI_SHAPE)))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("n_groups", [None, 2])
+def test_kivi_on_the_fast_path_matches_the_eager_kivi_cache_step_by_step(bits, n_groups):
+    model = kv_cache_view(kivi_model(n_groups))
+    native, prompt = fast_decode.native_view(model), tokens(3, 45)
+    eager_cache, fast_cache = qz.KIVICache(2, bits, 32), fast_decode.PackedKIVICache.for_model(model, 3, bits)
+    float_cache = StaticKVCache.for_model(model, 3)
+    with torch.inference_mode():
+        want, got = model.forward_cache(prompt, eager_cache), native.forward_cache(prompt, fast_cache)
+        unquantized = model.forward_cache(prompt, float_cache)
+        assert (got - want).abs().max() < ATOL
+        assert (unquantized - want).abs().max() > 100 * ATOL  # a block was quantized: the reference is not float32's
+        token = want[:, -1:].argmax(dim=-1)
+        for _ in range(40):
+            want, got = model.forward_cache(token, eager_cache), native.forward_cache(token, fast_cache)
+            assert (got - want).abs().max() < ATOL
+            assert torch.equal(got[:, -1].argmax(dim=-1), want[:, -1].argmax(dim=-1))
+            token = want[:, -1:].argmax(dim=-1)
+    assert fast_cache.n_tokens == eager_cache.n_tokens == 85 and fast_cache.nbytes == eager_cache.nbytes
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_a_kivi_cache_relaid_for_the_fast_path_gives_its_logits_and_rolls_back_as_it_does(bits):
+    model = kv_cache_view(kivi_model())
+    native, eager_cache = fast_decode.native_view(model), qz.KIVICache(2, bits, 32)
+    with torch.inference_mode():
+        model.forward_cache(tokens(2, 70), eager_cache)  # two blocks quantized, 6 tokens of residual
+        fast_cache = fast_decode.PackedKIVICache.from_kivi(eager_cache, 128)
+        for n in (70, 66, 64, 32):  # into the residual, to block boundaries
+            eager_cache.truncate(n)
+            fast_cache.truncate(n)
+            step = tokens(2, 1)
+            assert (native.forward_cache(step, fast_cache) - model.forward_cache(step, eager_cache)).abs().max() < ATOL
+            eager_cache.truncate(n)
+            fast_cache.truncate(n)
+            assert fast_cache.nbytes == eager_cache.nbytes
+    with pytest.raises(ValueError, match="inside a block already quantized"):
+        fast_cache.truncate(20)
+
+
+def test_lanes_put_code_p_in_byte_p_mod_the_lanes():
+    codes = torch.arange(32) % 16
+    assert fast_decode.lanes(codes, 4).tolist() == [j | ((j + 16) % 16) << 4 for j in range(16)]
+    codes = torch.arange(32) % 4
+    assert fast_decode.lanes(codes, 2).tolist() == [sum((j + 8 * i) % 4 << 2 * i for i in range(4)) for j in range(8)]
+
+
+def test_kivi_shapes_the_kernel_does_not_read_are_refused():
+    model = kv_cache_view(kivi_model())
+    with pytest.raises(ValueError, match="eager KIVICache"):
+        fast_decode.PackedKIVICache.for_model(model, 1, 4, block=16)
+    with pytest.raises(ValueError, match="eager KIVICache"):
+        fast_decode.PackedKIVICache.for_model(kv_cache_view(random_gptlite()), 1, 4)  # d_head 8
+    cache = fast_decode.PackedKIVICache.for_model(model, 1, 4, max_seqlen=256)
+    with pytest.raises(ValueError, match="positions"):
+        fast_decode.native_view(model).forward_cache(tokens(1, 129), cache)
