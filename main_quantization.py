@@ -29,7 +29,7 @@ kernel), float32 also on the fast path; TPOT against the bytes each step reads, 
 
 Checks first: each weight-only variant's packed kernel gives the logits of its dequantize-then-matmul form
 (atol 1e-4); at the shape, a step over each KIVI cache gives the logits of one over a float32 cache holding its
-dequantized entries. Nothing is timed or written unless they hold.
+dequantized entries, and the fast path's step the eager one's. Nothing is timed or written unless they hold.
 """
 import copy
 import math
@@ -279,24 +279,31 @@ def shape_rows(variants, prompt, n_tokens, repeats, bandwidth, llc):
 
 def kv_shape_setup(kv_bits, block, batch_size, context, n_tokens, seed):
     """The gptlite shape's model (random weights, a window of context + n_tokens + 1) and its full caches of
-    `context` random entries: {"float32": a static float32 cache, each KIVI row: a KIVI cache} ((None, {}) with
-    batch_size 0: no such rows)."""
+    `context` random entries: {"float32": a static float32 cache, each KIVI row: a KIVI cache, (each KIVI row,
+    "fast"): its entries packed for the fast path (blocks of 32 only)} ((None, {}) with batch_size 0: no rows)."""
     if not batch_size:
         return None, {}
     torch.manual_seed(seed)
     model = GPTlite_KVCache(**memory_bound.shape_config(context, n_tokens)).eval()
     caches = {"float32": memory_bound.filled_cache(model, batch_size, context, n_tokens + 1, seed)}
-    return model, caches | {name: memory_bound.filled_cache(model, batch_size, context, seed=seed, kv_bits=bits,
-                                                            kv_block=block) for name, bits in kivi_names(kv_bits).items()}
+    for name, bits in kivi_names(kv_bits).items():
+        caches[name] = memory_bound.filled_cache(model, batch_size, context, seed=seed, kv_bits=bits, kv_block=block)
+        if block == fast_decode.PackedKIVICache.BLOCK:  # the fast path's kernel: the same entries, packed for it
+            caches[name, "fast"] = fast_decode.PackedKIVICache.from_kivi(caches[name], context + n_tokens + 1)
+    return model, caches
 
 
 def kv_shape_checks(model, caches, batch_size, context, paths):
     """{check: ok}: over each KIVI cache, a step's logits equal those over a float32 cache holding its dequantized
-    entries; on the fast path (in paths), float32's equal eager's."""
+    entries; on the fast path (in paths), float32's and each packed KIVI cache's equal eager's."""
     pairs = {}  # {subject: ((model, cache), (reference model, reference cache), what the reference is)}
     for name, cache in caches.items():
         cache.truncate(context)
-        if name != "float32":
+        if isinstance(name, tuple):  # a KIVI cache packed for the fast path
+            if "fast" in paths:
+                pairs[f"fast path, {name[0]}"] = ((fast_decode.native_view(model), cache), (model, caches[name[0]]),
+                                                  "the eager KIVI cache's")
+        elif name != "float32":
             pairs[name] = ((model, cache), (model, memory_bound.dequantized_copy(cache)),
                            "those over a float32 cache of its dequantized entries")
         elif "fast" in paths:
@@ -311,13 +318,14 @@ def kv_shape_checks(model, caches, batch_size, context, paths):
 
 
 def kv_shape_rows(model, caches, batch_size, context, n_tokens, paths, repeats, bandwidth, llc):
-    """Decoding at the shape from each full cache, round-robin: the KIVI rows on the eager path (their attention
-    is PyTorch's, over the blocks dequantized), float32 on each path; the bytes each step reads."""
+    """Decoding at the shape from each full cache, round-robin, on each path: eager (KIVI's attention PyTorch's,
+    over the blocks dequantized) and fast (KIVI's on the codes); the bytes each step reads."""
     if not caches:
         return []
-    views = {(name, "eager"): model for name in caches} | (
-        {("float32", "fast"): fast_decode.native_view(model)} if "fast" in paths else {})
-    return memory_bound.step_rows(views, dict.fromkeys(caches, model), caches, batch_size, context, n_tokens, repeats,
+    names = [name for name in caches if not isinstance(name, tuple)]
+    views = {(name, path): fast_decode.on_path(model, path) for path in paths for name in names
+             if path == "eager" or name == "float32" or (name, path) in caches}
+    return memory_bound.step_rows(views, dict.fromkeys(names, model), caches, batch_size, context, n_tokens, repeats,
                                   bandwidth, llc, reference="float32")
 
 

@@ -158,9 +158,9 @@ RUNS = [
         "TPOT and throughput against batch size: resident weights against weights streamed from disk block by block, "
         "with and without prefetch", quick=("--batch-sizes", "1", "4", "--n-tokens", "8", "--repeats", "1")),
     Run("main_quantization", "main_quantization.py", "docs/quantization.md", "quantization",
-        "validation loss change against bits per weight, a matrix-vector product larger than the cache, and TPOT against bytes per token at the gptlite shape",
+        "validation loss change against bits per weight, a matrix-vector product larger than the cache, TPOT against bytes per token at the gptlite shape, and TPOT against bytes per step from full float32 and KIVI caches there",
         quick=("--n-tokens", "4", "--prompt-len", "8", "--repeats", "1", "--val-batches", "1", "--calib-windows", "2",
-               "--bench-size", "256")),
+               "--bench-size", "256", "--shape-batch", "2", "--shape-context", "64", "--shape-tokens", "2")),
     Run("main_sequence_parallel", "main_sequence_parallel.py", "docs/sequence_parallel.md", "sequence_parallel",
         "causal attention time and per-rank peak memory against prompt length: one process, ring, zigzag and Ulysses "
         "on 2 ranks", quick=("--seq-lens", "1024", "2048", "--check-len", "256", "--repeats", "1")),

@@ -147,17 +147,19 @@ def attention_flops(model, batch_size, context):
 
 def step_rows(views, models, caches, batch_size, context, n_tokens, repeats, bandwidth, llc, reference):
     """Decoding at the shape from full caches: views {(variant, path): model on that path}, models {variant: model},
-    caches {variant: its filled cache}, all timed round-robin. Each row: TPOT, tpot_vs_<reference> (this TPOT /
+    caches {variant: its filled cache} (or {(variant, path): ...} where a path reads its own form of the cache:
+    KIVI's packed one on the fast path), all timed round-robin. Each row: TPOT, tpot_vs_<reference> (this TPOT /
     the reference variant's on the same path), the bytes a step reads (weights + cache), its attention's FLOPs,
     and the time the bytes take
     at the measured `bandwidth` (GB/s; None: not measured), and whether they fit the last-level cache."""
-    timing = iu.compare_generation({key: decode_steps(view, caches[key[0]], context, batch_size)
+    cache_of = lambda key: caches[key] if key in caches else caches[key[0]]  # noqa: E731
+    timing = iu.compare_generation({key: decode_steps(view, cache_of(key), context, batch_size)
                                     for key, view in views.items()},
                                    n_tokens, batch_size, repeats=repeats)
     vs = f"tpot_vs_{reference.lower()}"
     rows = []
     for (name, path), t in timing.items():
-        weights, kv_bytes = weight_bytes(models[name], batch_size), cache_bytes(caches[name], context)
+        weights, kv_bytes = weight_bytes(models[name], batch_size), cache_bytes(cache_of((name, path)), context)
         total = weights + kv_bytes
         ratio = iu.ratio(t["tpot_ms"], timing.get((reference, path), {}).get("tpot_ms"))
         rows.append(harness.make_row(

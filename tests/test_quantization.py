@@ -197,7 +197,7 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
                                                  "int4 g32 fast path kernel", mq.MEMORY_READ]
     assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1, 0.0, 0.2]  # 256 x 256: float32 (and a zero bias), int8, int4
     assert bench[-1]["share_of_bandwidth"] == 1.0 and result["bandwidth_GB_per_s"] == bench[-1]["weight_GB_per_s"] > 0
-    assert sum("fast path" in check for check in result["checks"]) == 4 + 3 + 4 + 1 and all(result["checks"].values())
+    assert sum("fast path" in check for check in result["checks"]) == 4 + 3 + 4 + 1 + 2 and all(result["checks"].values())
     # the gptlite shape: four weight forms on the fast path and eager float32, the bytes each step reads
     assert [(r["variant"], r["path"]) for r in shape] == [(v, "fast") for v in ("float32", "bfloat16",
                                                           "int8 per channel, RTN", "int4 g32, RTN")] + [("float32", "eager")]
@@ -207,8 +207,9 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert [r["in_cache"] for r in shape] == ["no" if w > result["last_level_cache_bytes"] / 2**20 else "yes"
                                               for w in [r["weight_mb"] for r in shape]]
     # the KV cache at the shape: float32 on each path, KIVI on eager, each checked before timing
-    assert [(r["variant"], r["path"]) for r in kv] == [("float32", "eager"), ("KIVI 4-bit KV cache", "eager"),
-                                                       ("KIVI 2-bit KV cache", "eager"), ("float32", "fast")]
+    assert [(r["variant"], r["path"]) for r in kv] == [(v, p) for p in ("eager", "fast") for v in
+                                                       ("float32", "KIVI 4-bit KV cache", "KIVI 2-bit KV cache")]
+    assert [r["kv_mb"] for r in kv[:3]] == [r["kv_mb"] for r in kv[3:]]  # the same entries, packed for the fast path
     assert all(r["shape"] == "gptlite" and r["batch_size"] == 2 and r["context"] == 64 for r in kv)
     assert kv[0]["kv_mb"] == round(2 * 6 * 2 * 6 * 64 * 64 * 4 / 2**20, 1) == kv[3]["kv_mb"]  # 2 x L x B x H x ctx x D
     assert kv[0]["kv_mb"] / 4 > kv[1]["kv_mb"] > kv[2]["kv_mb"] and kv[0]["tpot_vs_float32"] in (1.0, None)
