@@ -103,19 +103,37 @@ void store(const v8 (&acc)[MR][4], const float* scale, const float* b, float* y,
 // read as 8-bit integers and widened to float in registers, a quarter of the float32 panel's bytes, and the
 // scale multiplies each column's sum once (store): sum_k x[k] q[k, c] * scale[c] is the dequantized
 // product up to the order of the float roundings.
+// At one or two rows, 4 or 8 chains of sums would wait on the multiply-add's latency at every k: even and odd
+// k then go to two sets of sums, added at the end (kSets).
+template <int MR>
+constexpr int kSets = MR <= 2 ? 2 : 1;
+
+// acc[0] += acc[1] ... : the sets of sums in one.
+template <int MR>
+void merge_sets(v8 (&acc)[kSets<MR>][MR][4]) {
+  for (int s = 1; s < kSets<MR>; ++s)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < 4; ++j) acc[0][i][j] += acc[s][i][j];
+}
+
 template <int MR, typename LoadRow>
 void panel(const float* x, LoadRow load_row, const float* scale, const float* b, float* y, int64_t K, int64_t N,
            int64_t n0, bool relu) {
-  v8 acc[MR][4] = {};
-  for (int64_t k = 0; k < K; ++k) {
+  v8 acc[kSets<MR>][MR][4] = {};
+  auto step = [&](int64_t k, v8 (&sums)[MR][4]) {
     v8 w[4];
     load_row(k, w);
     for (int i = 0; i < MR; ++i) {
       const float xi = x[i * K + k];
-      for (int j = 0; j < 4; ++j) acc[i][j] += xi * w[j];
+      for (int j = 0; j < 4; ++j) sums[i][j] += xi * w[j];
     }
-  }
-  store<MR>(acc, scale, b, y, N, n0, relu);
+  };
+  int64_t k = 0;
+  for (; k + kSets<MR> <= K; k += kSets<MR>)
+    for (int set = 0; set < kSets<MR>; ++set) step(k + set, acc[set]);  // unrolled: the sets stay in registers
+  for (; k < K; ++k) step(k, acc[0]);
+  merge_sets<MR>(acc);
+  store<MR>(acc[0], scale, b, y, N, n0, relu);
 }
 
 // The int4 form of panel, for MR <= 2: Wq [K, 16] holds a weight quantized per group of G input rows k,
@@ -127,17 +145,23 @@ void panel_q4(const float* x, const uint8_t* Wq, const float* sz, int64_t G, con
               int64_t N, int64_t n0, bool relu) {
   v8 acc[MR][4] = {};
   for (int64_t g0 = 0; g0 < K; g0 += G) {
-    v8 part[MR][4] = {};
+    v8 sets[kSets<MR>][MR][4] = {};
     float xs[MR] = {};
-    for (int64_t k = g0; k < g0 + G; ++k) {
+    auto step = [&](int64_t k, v8 (&sums)[MR][4]) {
       v8 w[4];
       widen4(Wq + k * (kPanel / 2), w);
       for (int i = 0; i < MR; ++i) {
         const float xi = x[i * K + k];
         xs[i] += xi;
-        for (int j = 0; j < 4; ++j) part[i][j] += xi * w[j];
+        for (int j = 0; j < 4; ++j) sums[i][j] += xi * w[j];
       }
-    }
+    };
+    int64_t k = g0;
+    for (; k + kSets<MR> <= g0 + G; k += kSets<MR>)
+      for (int set = 0; set < kSets<MR>; ++set) step(k + set, sets[set]);
+    for (; k < g0 + G; ++k) step(k, sets[0]);
+    merge_sets<MR>(sets);
+    const v8 (&part)[MR][4] = sets[0];
     const float* s = sz + (g0 / G) * 2 * kPanel;
     for (int j = 0; j < 4; ++j) {
       const v8 sj = load8(s + 8 * j), zj = load8(s + kPanel + 8 * j);
