@@ -31,6 +31,7 @@ Checks first: each weight-only variant's packed kernel gives the logits of its d
 (atol 1e-4); at the shape, a step over each KIVI cache gives the logits of one over a float32 cache holding its
 dequantized entries, and the fast path's step the eager one's. Nothing is timed or written unless they hold.
 """
+import argparse
 import copy
 import math
 
@@ -139,19 +140,67 @@ def kv_bytes_per_token(model, bits, block, prompts):
 MEMORY_READ = "memory read (the float32 W, summed)"
 
 
-def bench_layers(size, paths):
+def bench_layers(size, paths, candidates):
     """The benchmark's layers on one matrix W [size, size] and its input x [1, size]: float32, dequantize-then-
-    matmul int8, ATen's int8 and int4 kernels, and (fast in paths) the fast path's kernel on float32, int8 and int4."""
+    matmul int8, ATen's int8 and int4 kernels, (candidates) the others a practitioner would try, and (fast in
+    paths) the fast path's kernel on float32, int8 and int4."""
     torch.manual_seed(0)
     linear = nn.Linear(size, size)
     nn.init.zeros_(linear.bias)  # the fast kernel adds a bias: zeros, [size] floats beside size^2 weights
     int8, int4 = qz.rtn(linear, 8, 32), qz.rtn(linear, 4, 32, kernel=False)
-    layers = {"float32 (F.linear)": linear, "int8 dequantize + F.linear": qz.rtn(linear, 8, 32, kernel=False),
+    plain8 = qz.rtn(linear, 8, 32, kernel=False)
+    layers = {"float32 (F.linear)": linear, "int8 dequantize + F.linear": plain8,
               "int8 _weight_int8pack_mm": int8, "int4 g32 _weight_int4pack_mm_for_cpu": qz.rtn(linear, 4, 32)}
+    if candidates:
+        layers |= candidate_layers(linear, plain8, torch.randn(1, size))
     if "fast" in paths:
         layers |= {"float32 fast path kernel": FastLinear(linear), "int8 fast path kernel": FastLinear(int8),
                    "int4 g32 fast path kernel": FastLinear(int4), MEMORY_READ: MemoryRead(linear.weight.detach())}
     return layers, torch.randn(1, size)
+
+
+class Candidate(nn.Module):
+    """A benchmark row computed by another library: fn(x), reading `nbytes` of weights; compiled rows say their
+    compile time (compile_s, outside every timing)."""
+
+    def __init__(self, fn, nbytes, compile_s=None):
+        super().__init__()
+        self.fn, self.nbytes, self.compile_s = fn, nbytes, compile_s
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+INDUCTOR_INT8 = "int8 weight-only, Inductor max-autotune"
+
+
+@torch.inference_mode()
+def candidate_layers(linear, plain8, x):
+    """The int8 weight-only products that exist beside ATen's: Inductor's (max-autotune on the dequantize-then-matmul
+    pattern it recognizes, x in float32 and in bfloat16) and torchao's int8 weight-only (its int4 weight-only has no
+    CPU layout in torchao 0.18). Each compiled once here; a row is skipped, with a line, where it cannot be made."""
+    n = linear.weight.numel() + 2 * 4 * linear.out_features  # int8 codes, scales and bias
+    q, scale, bias = plain8.q, plain8.scale.float(), linear.bias.detach()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        fn = torch.compile(lambda x, d=dtype: (F.linear(x.to(d), q.to(d)) * scale.to(d) + bias.to(d)).float(),
+                           mode="max-autotune")
+        try:
+            with iu.Timer() as compiling:
+                fn(x)
+            out[f"{INDUCTOR_INT8} ({'bfloat16' if dtype == torch.bfloat16 else 'float32'} x)"] = Candidate(
+                fn, n, round(compiling.seconds, 1))
+        except Exception as error:  # noqa: BLE001 (Inductor's errors have no common type): the row is skipped
+            print(f"{INDUCTOR_INT8}: not compiled ({type(error).__name__}: {str(error).splitlines()[0][:120]}); skipped")
+    try:
+        with iu.stderr_silenced():
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        print(f"torchao is not installed (pip install {TORCHAO}): its benchmark row is skipped")
+        return out
+    ao = copy.deepcopy(linear)
+    quantize_(ao, Int8WeightOnlyConfig())
+    return out | {"torchao int8 weight-only": Candidate(ao, n)}
 
 
 @torch.inference_mode()
@@ -159,7 +208,8 @@ def bench_checks(layers, x):
     """The fast path's kernels against the layers they stand for, on the benchmark's matrix ({check: ok})."""
     atol = ATOL * math.sqrt(x.shape[1])  # float32 sums of K products in another order: the error grows with K
     checks = {}
-    for name, reference in (("float32 fast path kernel", "float32 (F.linear)"),
+    for name, reference in ((f"{INDUCTOR_INT8} (float32 x)", "int8 dequantize + F.linear"),
+                            ("float32 fast path kernel", "float32 (F.linear)"),
                             ("int8 fast path kernel", "int8 _weight_int8pack_mm"),
                             ("int4 g32 fast path kernel", "int4 g32 _weight_int4pack_mm_for_cpu")):
         if name in layers:
@@ -174,7 +224,8 @@ def matmul_benchmark(layers, x, repeats):
         times = iu.time_round_robin({name: (lambda m=m: m(x)) for name, m in layers.items()}, warmup=2, repeats=repeats)
     rows = []
     for name, layer in layers.items():
-        nbytes = sum(t.nbytes for t in list(layer.parameters()) + list(layer.buffers()))
+        nbytes = layer.nbytes if isinstance(layer, Candidate) else sum(
+            t.nbytes for t in list(layer.parameters()) + list(layer.buffers()))
         ms = iu.median(times[name]) * 1e3
         rows.append(dict(variant=name, weight_mb=round(nbytes / 2**20, 1), ms=round(ms, 3),
                          weight_GB_per_s=round(nbytes / ms / 1e6, 1)))
@@ -387,6 +438,8 @@ def parse_args(argv):
     add("--bench-size", type=harness.int_at_least(64), default=None,
         help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)
+    add("--candidates", action=argparse.BooleanOptionalAction, default=True,
+        help="benchmark Inductor's and torchao's int8 weight-only products too (Inductor compiles each once)")
     harness.add_paths_flag(parser)
     memory_bound.add_shape_flags(parser)
     args = parser.parse_args(argv)
@@ -414,10 +467,12 @@ def parse_args(argv):
     return (args, *harness.setup(args, parser, check_args))
 
 
-def summary_lines(checks, path_rows, args):
-    """The lines under the table: the checks, what the columns mean, and each quantized variant's speed
-    against float32 on each path."""
-    summary = list(checks) + [
+def summary_lines(checks, path_rows, args, layers):
+    """The lines under the table: the checks, what the columns mean, the candidates' compile times, and each
+    quantized variant's speed against float32 on each path."""
+    compiled = [f"{name} {m.compile_s} s" for name, m in layers.items() if getattr(m, "compile_s", None) is not None]
+    summary = list(checks) + ([f"benchmark, compile time (once, outside the timings): {'; '.join(compiled)}"]
+                              if compiled else []) + [
         "bits_per_weight: 8 x the serialized state dict's bytes / the float model's parameters; token_agreement: the "
         f"share of greedy tokens (8 prompts x {args.n_tokens}) equal to float32's at the same position; KIVI: "
         f"{args.kv_block}-token blocks, the latest (up to {args.kv_block - 1}) tokens in float32",
@@ -445,7 +500,7 @@ def main(argv=None):
         else:
             models[name] = qz.quantize_model(model, calibration=calibration, **kwargs)
     models.update(torchao_variants(model))
-    layers, x = bench_layers(args.bench_size, args.paths)
+    layers, x = bench_layers(args.bench_size, args.paths, args.candidates)
     fast = fast_variants(args.group_size) if "fast" in args.paths else ()
     fns = generators(models, plain, args.kv_bits, args.kv_block, fast)
     prompts = corpus.sample_prompts(data, 8, args.prompt_len, seed=args.seed, device=device)
@@ -468,7 +523,7 @@ def main(argv=None):
     shape_table = shape_rows(shape, prompts[:1], args.n_tokens, args.repeats, bandwidth, llc) if shape else []
     kv_table = kv_shape_rows(kv_model, kv_caches, args.shape_batch, args.shape_context, args.shape_tokens,
                              args.paths, args.repeats, bandwidth, llc)
-    summary = summary_lines(checks, path_rows, args)
+    summary = summary_lines(checks, path_rows, args, layers)
     harness.report(args, "main_quantization.py", preset, device, rows, headline(rows, bench), summary=summary,
                    tables=[harness.table("Greedy decoding on each path (TPOT ms; vs_float32: float32's TPOT on the "
                                          "same path / this one's)", path_rows),

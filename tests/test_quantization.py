@@ -193,9 +193,13 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     paths, bench, shape, kv = (t["rows"] for t in result["tables"])
     assert [(r["variant"], r["path"]) for r in paths] == [(v, p) for p in ("eager", "fast") for v in mq.fast_variants(32)]
     assert all(r["vs_float32_b1"] in (1.0, None) for r in paths if r["variant"] == "float32")  # None: TPOT in the noise
-    assert [r["variant"] for r in bench][4:] == ["float32 fast path kernel", "int8 fast path kernel",
-                                                 "int4 g32 fast path kernel", mq.MEMORY_READ]
-    assert [r["weight_mb"] for r in bench][4:] == [0.3, 0.1, 0.0, 0.2]  # 256 x 256: float32 (and a zero bias), int8, int4
+    assert [r["variant"] for r in bench][4:] == [f"{mq.INDUCTOR_INT8} (float32 x)", f"{mq.INDUCTOR_INT8} (bfloat16 x)",
+                                                 "torchao int8 weight-only", "float32 fast path kernel",
+                                                 "int8 fast path kernel", "int4 g32 fast path kernel", mq.MEMORY_READ]
+    assert [r["weight_mb"] for r in bench][4:] == [0.1] * 3 + [0.3, 0.1, 0.0, 0.2]  # 256 x 256: float32 (and a
+    # zero bias), int8, int4
+    assert any(c.startswith(f"benchmark: {mq.INDUCTOR_INT8} (float32 x) = int8 dequantize") for c in result["checks"])
+    assert any(line.startswith("benchmark, compile time") for line in result["summary"])
     assert bench[-1]["share_of_bandwidth"] == 1.0 and result["bandwidth_GB_per_s"] == bench[-1]["weight_GB_per_s"] > 0
     assert sum("fast path" in check for check in result["checks"]) == 4 + 3 + 4 + 1 + 2 and all(result["checks"].values())
     # the gptlite shape: four weight forms on the fast path and eager float32, the bytes each step reads
@@ -219,7 +223,7 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
 
 def test_the_eager_path_alone_has_no_fast_rows(real_data, tmp_path):
     out_json = tmp_path / "q.json"
-    mq.main(["--untrained", "--paths", "eager", "--kv-bits", "4", "--json", str(out_json)] + QUICK)
+    mq.main(["--untrained", "--paths", "eager", "--kv-bits", "4", "--no-candidates", "--json", str(out_json)] + QUICK)
     result = json.loads(out_json.read_text())
     paths, bench, kv = (t["rows"] for t in result["tables"])  # no weights' shape table: it is timed on the fast path
     assert {r["path"] for r in paths} == {"eager"} and len(bench) == 4 and result["bandwidth_GB_per_s"] is None
