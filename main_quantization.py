@@ -452,6 +452,9 @@ def parse_args(argv):
                     qz.check_group(width, args.group_size)
                 except ValueError as e:
                     parser.error(f"--group-size: {e} (preset {p.name})")
+        if "fast" in args.paths and args.group_size % 8:
+            parser.error(f"--group-size {args.group_size}: the fast path's int4 kernel reads groups of a multiple of 8 "
+                         "rows (use 32), or pass --paths eager")
         bad = [b for b in args.kv_bits if b not in qz.KV_BITS]
         if bad:
             parser.error(f"--kv-bits {bad}: KIVI here stores {qz.KV_BITS} bits per value")

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -136,36 +137,53 @@ void panel(const float* x, LoadRow load_row, const float* scale, const float* b,
   store<MR>(acc[0], scale, b, y, N, n0, relu);
 }
 
-// The int4 form of panel, for MR <= 2: Wq [K, 16] holds a weight quantized per group of G input rows k,
-// W[k, c] = (q[k, c] - 8) * s[g, c] + zero[g, c]. Per group the codes' products are summed first; then
-// sum_k x[k] W[k, c] over the group = s[g, c] * sum_k x[k] q[k, c] + z8[g, c] * sum_k x[k], where z8 = zero - 8 s
-// (sz holds, per group, the 32 columns' s and then their z8). An eighth of float32's bytes.
+// Eight 32-bit words, one per column (unsigned: the shifts below are logical).
+typedef uint32_t u8v __attribute__((vector_size(32)));
+
+// The int4 form of panel, for MR <= 2: a weight quantized per group of G input rows k (G a multiple of 8),
+// W[k, c] = (q[k, c] - 8) * s[g, c] + zero[g, c]. Wq [K / 8, 128 bytes]: per eight rows k0 .. k0+7, one
+// 32-bit word per column, row k0 + n in bits 4n .. 4n+3 (lib/fast_decode.py's packed_int4). A code becomes a
+// float with no conversion instruction: placed in the top of a float's mantissa under the exponent of 1.0,
+// its word reads as u = 1 + q / 16 exactly (two or three integer operations for eight columns, where a
+// widening conversion takes four). Per group, part = sum_k x[k] u[k, c] and xs = sum_k x[k]; then
+// sum_k x[k] W[k, c] = s * sum_k x q + z8 * xs = 16 s * part + (z8 - 16 s) * xs, where z8 = zero - 8 s (sz
+// holds, per group, the 32 columns' s and then their z8). An eighth of float32's bytes.
 template <int MR>
 void panel_q4(const float* x, const uint8_t* Wq, const float* sz, int64_t G, const float* b, float* y, int64_t K,
               int64_t N, int64_t n0, bool relu) {
   v8 acc[MR][4] = {};
   for (int64_t g0 = 0; g0 < K; g0 += G) {
-    v8 sets[kSets<MR>][MR][4] = {};
+    static_assert(kSets<MR> == 2, "int4 panels take one or two rows");
+    v8 sets[2][MR][4] = {};
     float xs[MR] = {};
-    auto step = [&](int64_t k, v8 (&sums)[MR][4]) {
-      v8 w[4];
-      widen4(Wq + k * (kPanel / 2), w);
-      for (int i = 0; i < MR; ++i) {
-        const float xi = x[i * K + k];
-        xs[i] += xi;
-        for (int j = 0; j < 4; ++j) sums[i][j] += xi * w[j];
-      }
-    };
-    int64_t k = g0;
-    for (; k + kSets<MR> <= g0 + G; k += kSets<MR>)
-      for (int set = 0; set < kSets<MR>; ++set) step(k + set, sets[set]);
-    for (; k < g0 + G; ++k) step(k, sets[0]);
+    for (int64_t k0 = g0; k0 < g0 + G; k0 += 8) {
+      u8v words[4];
+      __builtin_memcpy(words, Wq + k0 * (kPanel / 2), sizeof words);  // columns 0..7, 8..15, 16..23, 24..31
+      auto row = [&](auto n, v8 (&sums)[MR][4]) {  // row k0 + n, n a compile-time constant: shifts by immediates
+        for (int j = 0; j < 4; ++j) {
+          const u8v at19 = n * 4 <= 19 ? words[j] << (19 - 4 * n) : words[j] >> (4 * n - 19);  // code at bit 19
+          const u8v bits = (at19 & 0x00780000u) | 0x3F800000u;  // 1.0's exponent, the code in mantissa bits 19..22
+          v8 u;
+          __builtin_memcpy(&u, &bits, sizeof u);
+          for (int i = 0; i < MR; ++i) sums[i][j] += x[i * K + k0 + n] * u;
+        }
+      };
+      row(std::integral_constant<int, 0>{}, sets[0]);  // even rows and odd rows in two sets of sums
+      row(std::integral_constant<int, 1>{}, sets[1]);
+      row(std::integral_constant<int, 2>{}, sets[0]);
+      row(std::integral_constant<int, 3>{}, sets[1]);
+      row(std::integral_constant<int, 4>{}, sets[0]);
+      row(std::integral_constant<int, 5>{}, sets[1]);
+      row(std::integral_constant<int, 6>{}, sets[0]);
+      row(std::integral_constant<int, 7>{}, sets[1]);
+      for (int i = 0; i < MR; ++i)
+        for (int n = 0; n < 8; ++n) xs[i] += x[i * K + k0 + n];
+    }
     merge_sets<MR>(sets);
-    const v8 (&part)[MR][4] = sets[0];
     const float* s = sz + (g0 / G) * 2 * kPanel;
     for (int j = 0; j < 4; ++j) {
-      const v8 sj = load8(s + 8 * j), zj = load8(s + kPanel + 8 * j);
-      for (int i = 0; i < MR; ++i) acc[i][j] += sj * part[i][j] + xs[i] * zj;
+      const v8 s16 = 16.f * load8(s + 8 * j), zj = load8(s + kPanel + 8 * j) - s16;
+      for (int i = 0; i < MR; ++i) acc[i][j] += s16 * sets[0][i][j] + xs[i] * zj;
     }
   }
   store<MR>(acc, nullptr, b, y, N, n0, relu);

@@ -97,12 +97,18 @@ def packed(weight):
 
 def packed_int4(q, scale, zero):
     """An int4 weight per group of G input columns, W = (q - 8) * scale + zero (lib/quantization.quantize_int4:
-    codes q [N, K] in 0..15, scale and zero [N, K/G]), as lib/fast_decode.cpp reads it: the codes in panels of
-    32 columns, two a byte (byte j of a row: column j low, j + 16 high), [ceil(N / 32), K, 16] uint8; and per
-    panel and group the columns' scales then zero - 8 * scale, [ceil(N / 32), K/G, 2, 32] float32."""
+    codes q [N, K] in 0..15, scale and zero [N, K/G], G a multiple of 8), as lib/fast_decode.cpp reads it: the
+    codes in panels of 32 columns, per eight rows k0 .. k0+7 one 32-bit word per column (row k0 + n in bits
+    4n .. 4n+3, little-endian), [ceil(N / 32), K, 16] uint8 (K / 8 blocks of 128 bytes); and per panel and group
+    the columns' scales then zero - 8 * scale, [ceil(N / 32), K/G, 2, 32] float32."""
+    (N, n_groups), K = scale.shape, q.shape[1]
+    if (K // n_groups) % 8:
+        raise ValueError(f"the fast path's int4 kernel reads eight rows a word: the group size {K // n_groups} must be "
+                         "a multiple of 8 (use --group-size 32), or use the eager path")
     p = packed(q.to(torch.uint8))  # [P, K, 32]
-    codes = (p[..., :PANEL // 2] | (p[..., PANEL // 2:] << 4)).contiguous()
-    (N, n_groups), P = scale.shape, p.shape[0]
+    P = p.shape[0]
+    rows = p.view(P, K // 8, 4, 2, PANEL)  # [panel, eight rows, byte m of the word, its nibble, column]
+    codes = (rows[:, :, :, 0] | (rows[:, :, :, 1] << 4)).transpose(2, 3).contiguous().view(P, K, PANEL // 2)
     sz = torch.zeros(P * PANEL, 2, n_groups)
     sz[:N, 0], sz[:N, 1] = scale, zero - 8 * scale
     return codes, sz.view(P, PANEL, 2, n_groups).permute(0, 3, 2, 1).contiguous()

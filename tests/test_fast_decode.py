@@ -238,6 +238,12 @@ def test_linear_equals_f_linear_in_int4(M, N, G):
     assert (y - F.linear(x, w, b)).abs().max() > 1e-2  # the 4-bit codes were read
 
 
+def test_int4_groups_of_other_than_a_multiple_of_8_rows_are_refused():
+    q, scale, zero = qz.quantize_int4(torch.randn(32, 64), 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fast_decode.packed_int4(q, scale, zero)
+
+
 @pytest.mark.parametrize("kwargs, what", [(dict(method="rtn", bits=4, group_size=16), "of 4 bits"),  # ATen's packing
                                           (dict(method="w8a8", alpha=None), "W8A8Linear"),
                                           (dict(method="fp8"), "FP8Linear")])

@@ -171,7 +171,8 @@ QUICK = ["--preset", "cpu", "--device", "cpu", "--n-tokens", "4", "--prompt-len"
          "64", "--shape-tokens", "2"]
 
 
-@pytest.mark.parametrize("flags, match", [(["--group-size", "48"], "--group-size"), (["--kv-bits", "3"], "--kv-bits"),
+@pytest.mark.parametrize("flags, match", [(["--group-size", "48"], "--group-size"),
+                                          (["--group-size", "4"], "multiple of 8"), (["--kv-bits", "3"], "--kv-bits"),
                                           (["--kv-block", "48"], "--kv-block"), (["--alpha", "1.5"], "--alpha")])
 def test_bad_flags_are_clear_errors_before_any_work(flags, match, capsys, monkeypatch):
     monkeypatch.setattr(harness, "load_data", lambda path=None: pytest.fail("flags must be checked before the data"))
