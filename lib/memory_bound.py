@@ -190,9 +190,16 @@ def plot_bytes(ax, points, bandwidth, llc, xlabel, ylabel, title):
         ax.scatter(b / 2**20, ms)
         ax.annotate(label, (b / 2**20, ms), fontsize=7)
     top = 1.1 * max(b for _, b, _ in points) / 2**20
-    ax.plot([0, top], [0, top * 2**20 / bandwidth / 1e6], color="gray", linestyle="--",
+    times = [ms for _, _, ms in points]
+    log = max(times) > 10 * min(times)  # a slow eager row would flatten the others: a log scale then
+    xs = [top * i / 50 for i in range(1, 51)]
+    ax.plot(xs, [x * 2**20 / bandwidth / 1e6 for x in xs], color="gray", linestyle="--",
             label=f"bytes / measured bandwidth ({bandwidth:.0f} GB/s)")
     if llc is not None:
         ax.axvline(llc / 2**20, color="tab:red", linewidth=0.8, label=f"last-level cache ({llc / 2**20:.0f} MiB)")
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xlim=(0, top), ylim=(0, None))
+    ax.set(xlabel=xlabel, ylabel=ylabel + (", log scale" if log else ""), title=title, xlim=(0, top))
+    if log:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(0, None)
     ax.legend(fontsize=7)
