@@ -367,19 +367,3 @@ def linear_config(config, rule, hybrid_every=None, hybrid_attention="softmax", d
     d_latent only for an MLA hybrid, so that the other configs match the checkpoints saved without them)."""
     mla = dict(hybrid_attention=hybrid_attention, d_latent=d_latent) if hybrid_attention != "softmax" else {}
     return dict(config, rule=rule, hybrid_every=hybrid_every, **mla)
-
-
-@torch.inference_mode()
-def generate_linear(model, prompt, n_tokens, cache=None):
-    """Greedy decoding: prefill the prompt [B, S] (chunked), then one token at a time with the state.
-    Returns the prompt followed by the n_tokens new tokens, [B, S + n_tokens]."""
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long or prompt.numel() == 0:
-        raise ValueError("prompt must be a non-empty LongTensor of token ids of shape [batch, length]")
-    if not isinstance(n_tokens, int) or n_tokens < 1:
-        raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
-    logits, cache = model(prompt, cache)
-    tokens = [logits[:, -1].argmax(dim=-1, keepdim=True)]
-    for _ in range(n_tokens - 1):
-        logits, cache = model(tokens[-1], cache)
-        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-    return torch.cat([prompt] + tokens, dim=1)

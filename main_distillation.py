@@ -18,7 +18,6 @@ preset that gptlite.py trains on hard labels alone.
 The student of `gptlite` is the `distilled` preset (half the width, half the layers, 4 heads instead of
 6). Other presets get a student by the same rule (see student_preset), e.g. cpu: 0.83M -> 0.13M parameters.
 """
-import dataclasses
 import functools
 import math
 
@@ -27,7 +26,8 @@ import torch.nn.functional as F
 
 import inference_utils as iu
 from gptlite import GPTlite
-from lib import corpus, files, harness, presets, training
+from lib import corpus, files, harness, training
+from lib.presets import student_preset  # the student of a teacher preset, by the post's rule
 
 DEFAULT_ITERS = {"cpu": 300}  # student training steps; other presets: the student preset's iters
 
@@ -59,19 +59,6 @@ def distillation_loss(logits_student, logits_teacher, temperature, targets=None,
 def distillation_loss_fn(teacher, temperature, alpha):
     """A train_steps loss_fn(model, x, y): the frozen teacher's logits are the soft labels."""
     return training.teacher_loss_fn(teacher, functools.partial(distillation_loss, temperature=temperature, alpha=alpha))
-
-
-def student_preset(preset):
-    """The student of a teacher preset: half the width, half the layers, 2/3 of the heads (same head
-    width), the teacher's window, batch and dropout. For gptlite this is exactly the distilled preset."""
-    student = dataclasses.replace(preset, name=f"{preset.name}-student", d_model=preset.d_model // 2,
-                                  n_layers=max(preset.n_layers // 2, 1),
-                                  n_heads=max(round(preset.n_heads * 2 / 3), 1))
-    if preset.name == "gptlite":
-        distilled = presets.PRESETS["distilled"]
-        assert student.gptlite_kwargs() == distilled.gptlite_kwargs(), "the rule must give the distilled preset"
-        return distilled
-    return student
 
 
 def train_students(data, config, variants, iters, batch_size, lr, seed, device, temperature=None):

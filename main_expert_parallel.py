@@ -201,12 +201,9 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    args, preset, device, data = parse_args(argv)
-    if args.world > 1 and not distributed.launched():  # every flag checked here, then torchrun starts the N ranks
-        return distributed.relaunch(__file__, argv, args.world)
-    with distributed.rank_group(device, args.timeout, memory_hint="lower --batch-sizes") as d:
-        torch.set_num_threads(args.threads)
-        experiment(args, preset, d, data)
+    args, preset, device, data = parse_args(argv)  # every flag checked here, then torchrun starts the N ranks
+    return distributed.run_ranks(__file__, argv, args, device, "lower --batch-sizes",
+                                 lambda d: experiment(args, preset, d, data))
 
 
 def experiment(args, preset, d, data):

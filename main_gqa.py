@@ -115,20 +115,12 @@ def parse_args(argv):
         harness.check_paths(parser, args, harness.get_device(args.device))
         if args.save_groups is not None and args.save_groups not in group_counts(preset.n_heads):
             parser.error(f"--save-groups must divide n_heads={preset.n_heads}: one of {group_counts(preset.n_heads)}")
-        check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
+        harness.check_generation_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
         if args.shape_batch:
             harness.check_fits(parser, "--shape-batch", 2 * shape_cache_bytes(args.shape_batch, args.shape_context
                                                                               + args.shape_tokens),
                                f"the {SHAPE}-shape caches of {args.shape_batch} x {args.shape_context} tokens")
     return (args, *harness.setup(args, parser, check_args))
-
-
-def check_sizes(parser, preset, batch_size, prompt_len, n_tokens):
-    """--batch-size: full windows through every variant (and their caches); --n-tokens: the generated tokens."""
-    harness.check_fits(parser, "--batch-size", training.activation_bytes(preset, batch_size),
-                       f"a batch of {batch_size} full windows")
-    harness.check_fits(parser, "--n-tokens", 3 * batch_size * (prompt_len + n_tokens) * 8,
-                       f"{n_tokens} new tokens for each of {batch_size} prompts")
 
 
 SHAPE = memory_bound.SHAPE  # the memory-bound shape: the post's model, 70 MB of float32 weights

@@ -33,7 +33,6 @@ from gptlite_kvcache import generate_kvcache
 from gptlite_mla import (MultiHeadAttention_MLA,  # noqa: F401 (the post's listings, importable here)
                          convert_mha_to_mla, max_latent, mla_from_mha)
 from lib import attention_summary, corpus, harness, memory_bound, training
-from main_gqa import check_sizes  # the same models, windows and generation
 
 FULL_RANK_ATOL = 1e-4  # float32 logits of the full-rank conversion against the multi-head model (SVD in float64)
 ABSORB_ATOL = 1e-4  # float32 logits, absorbed against recomputed keys and values
@@ -164,7 +163,7 @@ def parse_args(argv):
             parser.error(f"--latents must lie between 1 and the full rank min(2 * n_heads * d_head, d_model) = {full}")
         if args.latents is not None and len(set(args.latents)) != len(args.latents):
             parser.error(f"--latents repeats a value: {args.latents}")
-        check_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
+        harness.check_generation_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)
         shape = memory_bound.shape_config(args.shape_context, args.shape_tokens)
         full_at_shape = max_latent(shape["n_heads"], shape["d_head"], shape["d_model"])
         if args.shape_batch and args.latents is not None and max(args.latents) > full_at_shape:

@@ -49,7 +49,8 @@ from lib.speculative import (FeatureDrafter, LookupDrafter, MedusaDrafter, Model
                              accept_always, accept_draft, early_exit_model, exact_continuations, measure_group,
                              plain_generate, run_once, sampling_test, speculative_generate)
 from lib.fast_decode import on_path
-from main_distillation import distillation_loss, student_preset
+from main_distillation import distillation_loss  # the post's reuse: the draft is distilled
+from lib.presets import student_preset
 
 DEFAULTS = {"cpu": dict(draft_iters=150, head_iters=120, mtp_steps=60)}  # other presets: the student preset's iters
 PASSES = "target's"  # the sampling check's verdict: the counts fit the target's distribution

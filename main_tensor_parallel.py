@@ -188,13 +188,9 @@ def headline(rows, world, backend, threads, diff):
 
 
 def main(argv=None):
-    args, preset, device, data = parse_args(argv)
-    if args.world > 1 and not distributed.launched():  # every flag checked here, then torchrun starts the N ranks
-        return distributed.relaunch(__file__, argv, args.world)
+    args, preset, device, data = parse_args(argv)  # every flag checked here, then torchrun starts the N ranks
     hint = "lower --batch-size (its KV cache and prompts), or run fewer ranks per machine"
-    with distributed.rank_group(device, args.timeout, memory_hint=hint) as d:
-        torch.set_num_threads(args.threads)
-        experiment(args, preset, d, data)
+    return distributed.run_ranks(__file__, argv, args, device, hint, lambda d: experiment(args, preset, d, data))
 
 
 def experiment(args, preset, d, data):

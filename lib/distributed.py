@@ -405,6 +405,17 @@ def rank_group(device, timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
     shutdown()
 
 
+def run_ranks(script, argv, args, device, memory_hint, experiment):
+    """The main of a multi-process script once every flag is checked: with args.world > 1 and not yet under
+    torchrun, start the ranks (relaunch); on each rank, join the group (rank_group), take args.threads threads
+    and run experiment(d), d the rank's Dist."""
+    if args.world > 1 and not launched():
+        return relaunch(script, argv, args.world)
+    with rank_group(device, args.timeout, memory_hint=memory_hint) as d:
+        torch.set_num_threads(args.threads)
+        experiment(d)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The flags of a multi-process script (main_tensor_parallel.py and its kin).
 

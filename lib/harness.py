@@ -15,6 +15,7 @@ from lib.corpus import load_data
 from lib.errors import GPTliteError
 from lib.files import atomic_file, atomic_write_bytes, output_problems
 from lib.presets import PRESETS, get_preset
+from lib.training import activation_bytes
 
 
 def get_device(name=None):
@@ -229,6 +230,14 @@ def check_fits(parser, flag, nbytes, what):
     if nbytes > available:
         parser.error(f"{flag}: {what} needs about {nbytes / 2**30:,.1f} GiB, more than the {available / 2**30:.1f} GiB "
                      "this machine has available; give a smaller value")
+
+
+def check_generation_sizes(parser, preset, batch_size, prompt_len, n_tokens):
+    """--batch-size: full windows through a model of `preset` (and its caches); --n-tokens: the tokens generated
+    for each of batch_size prompts."""
+    check_fits(parser, "--batch-size", activation_bytes(preset, batch_size), f"a batch of {batch_size} full windows")
+    check_fits(parser, "--n-tokens", 3 * batch_size * (prompt_len + n_tokens) * 8,
+               f"{n_tokens} new tokens for each of {batch_size} prompts")
 
 
 def available_memory():

@@ -1,4 +1,5 @@
 """The model presets: plain data, one place."""
+import dataclasses
 from dataclasses import dataclass
 
 from lib.errors import GPTliteError
@@ -37,6 +38,19 @@ PRESETS = {
     "cpu": Preset("cpu", d_model=128, n_heads=4, d_head=32, n_layers=4, dropout_p=0.0,
                   seqlen=128, batch_size=32, lr=3e-3, iters=800),
 }
+
+
+def student_preset(preset):
+    """The student of a teacher preset: half the width, half the layers, 2/3 of the heads (same head
+    width), the teacher's window, batch and dropout. For gptlite this is exactly the distilled preset."""
+    student = dataclasses.replace(preset, name=f"{preset.name}-student", d_model=preset.d_model // 2,
+                                  n_layers=max(preset.n_layers // 2, 1),
+                                  n_heads=max(round(preset.n_heads * 2 / 3), 1))
+    if preset.name == "gptlite":
+        distilled = PRESETS["distilled"]
+        assert student.gptlite_kwargs() == distilled.gptlite_kwargs(), "the rule must give the distilled preset"
+        return distilled
+    return student
 
 
 def get_preset(name):

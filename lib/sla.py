@@ -247,11 +247,6 @@ class GPTlite_SLA(GPTlite):
         """The parameters SLA adds (the ones fine-tuning trains here)."""
         return [p for block in self.blocks for p in block.mha.proj_l.parameters()]
 
-    def set_dense(self, dense):
-        """Compute dense attention with the same mask from now on (True), or SLA again (False)."""
-        for block in self.blocks:
-            block.mha.dense = dense
-        return self
 
 
 @torch.no_grad()

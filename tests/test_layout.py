@@ -142,3 +142,11 @@ def test_every_cited_section_is_one_of_the_posts():
     cited = list(cited_sections())
     assert len(cited) > 40  # the pattern finds the citations
     assert [(path, title) for path, title in cited if title not in SECTIONS] == []
+
+
+def test_lib_init_names_every_module_in_a_line():
+    doc = ast.get_docstring(ast.parse((ROOT / "lib" / "__init__.py").read_text()))
+    named = {name for line in doc.splitlines() if line.startswith("- ")
+             for name in re.findall(r"\b([a-z_]+)\b", line.split(":")[0])}
+    modules = {p.stem for p in (ROOT / "lib").glob("*.py") if p.stem != "__init__"}
+    assert modules <= named, f"lib/__init__.py does not name {sorted(modules - named)}"
