@@ -26,7 +26,6 @@ cpp-wrapper+freezing about 150 s, max-autotune more: behind --modes, so that the
 10 minutes there. A shape without a checkpoint (distilled) uses untrained weights, said in its rows.
 """
 import os
-import time
 
 import numpy as np
 import torch
@@ -110,11 +109,11 @@ def build_variants(model, prompt, args, workdir):
     n_shapes = 1 if prompt.shape[1] == 1 else 2  # prefill and decode, one graph each
     for mode in args.modes:
         if mode == "fast":
-            start = time.perf_counter()
-            fast_decode.extension()  # built once per machine, then loaded
-            native = fast_decode.native_view(model)  # the weights packed once, outside the timed calls
+            with iu.Timer() as building:
+                fast_decode.extension()  # built once per machine, then loaded
+                native = fast_decode.native_view(model)  # the weights packed once, outside the timed calls
             variants["fast (C++)"] = (lambda n: fast_decode.generate_fast(native, prompt, n, model.seqlen),
-                                      time.perf_counter() - start, None, None)
+                                      building.seconds, None, None)
         elif mode == "aoti":
             runners, seconds = compiled.aoti_package(model, *prompt.shape, f"{workdir}/b{prompt.shape[0]}")
             keys, values = compiled.new_buffers(model, prompt.shape[0])

@@ -22,7 +22,6 @@ holds the loaded model's weights) before any decoding, and both offloaded varian
 cache) equal the resident model's at every batch size. Nothing is timed or written unless they hold.
 """
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -159,10 +158,10 @@ def cold_read_mb_s(path, repeats):
         for _ in range(repeats):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             f.seek(0)
-            t = time.perf_counter()
-            while f.read(2**20):
-                pass
-            seconds.append(time.perf_counter() - t)
+            with iu.Timer() as reading:
+                while f.read(2**20):
+                    pass
+            seconds.append(reading.seconds)
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return os.path.getsize(path) / iu.median(seconds) / 2**20
 

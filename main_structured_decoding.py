@@ -18,7 +18,6 @@ output character, time per character, mask time per step against forward time pe
 validation loss of the corpus's own turns that fit the grammar, with and without the mask.
 """
 import re
-import time
 from dataclasses import dataclass
 
 import torch
@@ -85,20 +84,19 @@ def constrained_generate(model, prompt, grammar, max_chars, seqlen, jump_forward
             matcher.accept_string(forced)
         else:
             if grammar:
-                t0 = time.perf_counter()
-                grammar.mask_logits(matcher, logits, bitmask)  # forbidden characters -> -inf
-                out.mask_s.append(time.perf_counter() - t0)
+                with iu.Timer() as masking:
+                    grammar.mask_logits(matcher, logits, bitmask)  # forbidden characters -> -inf
+                out.mask_s.append(masking.seconds)
             ids = [logits.argmax(dim=-1).item()]
             if grammar and not matcher.accept_token(ids[0]):
                 raise GPTliteError("the grammar allows no character here; check it (a dead end)")
         out.tokens += ids
         if len(out.tokens) >= max_chars or (matcher.is_terminated() if grammar else stop(out.tokens)):
             break  # no forward pass for a character that nothing follows
-        t0 = time.perf_counter()
-        logits, kv_cache = model(torch.tensor([ids], device=device), kv_cache, max_seqlen=seqlen)  # [1, T, vocab]
-        logits = logits[:, -1].float()
-        iu.synchronize(device)
-        out.forward_s.append(time.perf_counter() - t0)
+        with iu.Timer(device) as forward:  # synchronized: the logits are ready when the clock is read
+            logits, kv_cache = model(torch.tensor([ids], device=device), kv_cache, max_seqlen=seqlen)  # [1, T, vocab]
+            logits = logits[:, -1].float()
+        out.forward_s.append(forward.seconds)
         out.calls += 1
     out.complete = matcher.is_completed() if grammar else bool(stop(out.tokens))
     return out
@@ -141,10 +139,10 @@ def run_variant(model, prompts, task, variant, max_chars, seqlen, vocab):
     """Every prompt under one variant: a list of Decoded, and the seconds it all took."""
     stop = lambda ids: re.search(task.end, "".join(vocab[i] for i in ids)) is not None
     grammar = None if variant == "unconstrained" else task.grammar
-    start = time.perf_counter()
-    outs = [constrained_generate(model, p[None], grammar, max_chars, seqlen, variant.endswith("jump-forward"), stop)
-            for p in prompts]
-    return outs, time.perf_counter() - start
+    with iu.Timer() as running:
+        outs = [constrained_generate(model, p[None], grammar, max_chars, seqlen, variant.endswith("jump-forward"), stop)
+                for p in prompts]
+    return outs, running.seconds
 
 
 def check_outputs(model, prompts, task, outs, seqlen, vocab):

@@ -8,11 +8,12 @@ mask (slot s is seen by the token at position p when s <= p): the shapes are the
 one graph serves all of them (one for the prefill's T = prompt length, one for the decode's T = 1).
 The module holds no weights of its own: it reads the GPTlite_KVCache it wraps.
 """
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import inference_utils as iu
 
 # The compile variants: name -> (torch.compile's mode, Inductor config patches, needs CUDA).
 # AOTInductor is not here: it is not torch.compile but export + an ahead-of-time package (aoti_package).
@@ -93,13 +94,12 @@ def compiled_generation(model, mode, prompt, n_tokens):
     before = stats["unique_graphs"]
     step = compile_step(model, mode)
     keys, values = new_buffers(model, prompt.shape[0])
-    start = time.perf_counter()
     # every mode compiles StaticStep.forward again (its own module and backend): 2 graphs a mode, past
     # dynamo's default limit of 8 graphs per function when several modes run on one shape
-    with torch._dynamo.config.patch(recompile_limit=64):
+    with iu.Timer() as compiling, torch._dynamo.config.patch(recompile_limit=64):
         generate_static(step, prompt, n_tokens, keys, values)
-    seconds = time.perf_counter() - start
-    return (lambda n: generate_static(step, prompt, n, keys, values)), seconds, stats["unique_graphs"] - before
+    return ((lambda n: generate_static(step, prompt, n, keys, values)), compiling.seconds,
+            stats["unique_graphs"] - before)
 
 
 def aoti_package(model, batch_size, prompt_len, path):
@@ -110,15 +110,15 @@ def aoti_package(model, batch_size, prompt_len, path):
     step = StaticStep(model).eval()
     keys, values = new_buffers(model, batch_size)
     device = keys.device
-    start = time.perf_counter()
     runners = []
-    for name, T in (("prefill", prompt_len), ("decode", 1)):
-        args = (torch.zeros(batch_size, T, dtype=torch.long, device=device), torch.arange(T, device=device),
-                keys, values)
-        with torch.no_grad():
-            program = torch.export.export(step, args, strict=False)
-        runners.append(aoti_load_package(aoti_compile_and_package(program, package_path=f"{path}-{name}.pt2")))
-    return runners, time.perf_counter() - start
+    with iu.Timer() as compiling:
+        for name, T in (("prefill", prompt_len), ("decode", 1)):
+            args = (torch.zeros(batch_size, T, dtype=torch.long, device=device), torch.arange(T, device=device),
+                    keys, values)
+            with torch.no_grad():
+                program = torch.export.export(step, args, strict=False)
+            runners.append(aoti_load_package(aoti_compile_and_package(program, package_path=f"{path}-{name}.pt2")))
+    return runners, compiling.seconds
 
 
 def aoti_generation(runners, prompt, keys, values):

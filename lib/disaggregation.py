@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+import inference_utils as iu
 from lib import serving
 from lib.errors import GPTliteError
 from lib.paged_engine import BlockManager, ModelRunner, Scheduler, Sequence, admit_arrivals
@@ -119,10 +120,10 @@ def send_prefilled(seq_id, first_token, payload, dst, corrupt=False):
     if corrupt:
         payload = payload.clone()
         payload.view(-1)[0] += 1.0
-    start = time.perf_counter()
-    dist.send(header, dst, tag=HEADER_TAG)
-    dist.send(payload, dst, tag=PAYLOAD_TAG)
-    return time.perf_counter() - start
+    with iu.Timer() as sending:
+        dist.send(header, dst, tag=HEADER_TAG)
+        dist.send(payload, dst, tag=PAYLOAD_TAG)
+    return sending.seconds
 
 
 @torch.inference_mode()

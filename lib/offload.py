@@ -16,13 +16,13 @@ import json
 import mmap
 import os
 import struct
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache
 from lib.errors import CheckpointError
 from lib.files import atomic_file, checkpoint_sha256
@@ -184,9 +184,9 @@ class BlockStreamer:
         self.start(i)  # without prefetch (or on the first pass) the read starts only now
         s = self.slot(i)
         job, self.jobs[s] = self.jobs[s], None  # consumed: the next pass reads the block again
-        t = time.perf_counter()
-        self.transfers.append(self._finish(job))
-        self.waited += time.perf_counter() - t
+        with iu.Timer() as waiting:
+            self.transfers.append(self._finish(job))
+        self.waited += waiting.seconds
         self.passes += i == 0
         self.streamed_bytes += self.block_bytes
         nxt = (i + 1) % self.n_blocks  # after the last block, block 0 of the next pass
@@ -243,16 +243,15 @@ class DiskStreamer(BlockStreamer):
         return self.reader.submit(self.read, i, s)
 
     def read(self, i, s):
-        t = time.perf_counter()
-        for name, dst in self.slots[s].items():
-            dst.copy_(self.file.views[f"blocks.{i}.{name}"])  # page faults: the disk is read here
-        seconds = time.perf_counter() - t
+        with iu.Timer() as copying:
+            for name, dst in self.slots[s].items():
+                dst.copy_(self.file.views[f"blocks.{i}.{name}"])  # page faults: the disk is read here
         if self.measure_rss:  # before the drop: the most of the file this process holds (not timed)
             self.peak_file_rss = max(self.peak_file_rss, self.file.resident_bytes() or 0)
-        t = time.perf_counter()
-        if self.drop_page_cache:  # blocks 0..i: the ones read up to now in this pass
-            self.file.drop(self.file.block_end(i))
-        return seconds + time.perf_counter() - t
+        with iu.Timer() as dropping:
+            if self.drop_page_cache:  # blocks 0..i: the ones read up to now in this pass
+                self.file.drop(self.file.block_end(i))
+        return copying.seconds + dropping.seconds
 
     def _finish(self, job):
         return job.result()
