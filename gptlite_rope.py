@@ -161,16 +161,11 @@ def document_batches(data, split, seed=0):
 def document_loss(model, data, n_batches=10, batch_size=32, seed=1234):
     """Mean cross entropy (nats per character) on fixed-seed validation document sequences, the start
     token never a target."""
-    draw, device = document_batches(data, "val", seed), next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    losses = []
-    for _ in range(n_batches):
-        x, y = draw(batch_size, model.seqlen, device)
+    def loss(model, x, y):
         logits = training.logits_of(model(x))  # [B, S, vocab + 1]
-        losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=corpus.IGNORE).item())
-    model.train(was_training)
-    return sum(losses) / len(losses)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=corpus.IGNORE)
+    return training.validation_loss(model, data, n_batches, batch_size, loss=loss,
+                                    batches=document_batches(data, "val", seed))
 
 
 def load_start_token(preset, device, data, iters=START_STEPS, untrained=False, seed=0, path=None):

@@ -95,15 +95,11 @@ def kernel_matches(model, kwargs, calibration, window):
 def kivi_loss(model, data, bits, block, n_batches):
     """Validation loss with the KIVI cache: each window fed in chunks of `block` tokens, so that a token sees
     the earlier blocks quantized and its own block in float32, as when decoding (validation_loss's batches)."""
-    generator = torch.Generator().manual_seed(1234)
-    device = model.fc_out.weight.device
-    losses = []
-    for _ in range(n_batches):
-        x, y = corpus.get_batch(data.val, 32, model.seqlen, generator, device)
+    def loss(model, x, y):
         cache = new_cache(model, bits, block)
         logits = torch.cat([model(chunk, cache)[0] for chunk in x.split(block, dim=1)], dim=1)
-        losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
-    return sum(losses) / len(losses)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return training.validation_loss(model, data, n_batches, loss=loss)
 
 
 def kivi_names(kv_bits):

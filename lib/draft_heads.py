@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlite_kvcache import Block_KVCache, StaticKVCache, kv_cache_view
-from lib.corpus import get_batch
+from lib.training import validation_loss
 
 
 def full_hidden(target, x):
@@ -121,14 +121,5 @@ def eagle_loss_fn(target):
 def head_evaluate(loss, data, seqlen, n_batches=10, batch_size=32, seed=1234):
     """train_steps' `evaluate` for a head: the cross entropy of its first prediction (the token after
     next) on fixed validation batches; `loss(head, x, y)` returns (training loss, that cross entropy)."""
-    @torch.no_grad()
-    def evaluate(head):
-        device = next(head.parameters()).device
-        generator = torch.Generator().manual_seed(seed)
-        was_training = head.training
-        head.eval()
-        total = sum(loss(head, *get_batch(data.val, batch_size, seqlen, generator, device))[1].item()
-                    for _ in range(n_batches))
-        head.train(was_training)
-        return total / n_batches
-    return evaluate
+    return lambda head: validation_loss(head, data, n_batches, batch_size, seqlen, seed,
+                                        loss=lambda h, x, y: loss(h, x, y)[1])

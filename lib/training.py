@@ -16,18 +16,19 @@ def logits_of(output):
 
 
 @torch.no_grad()
-def validation_loss(model, data, n_batches=20, batch_size=32, seqlen=None, seed=1234):
-    """Mean cross entropy (nats per character) on fixed-seed validation batches, the same for every model."""
+@torch.no_grad()
+def validation_loss(model, data, n_batches=20, batch_size=32, seqlen=None, seed=1234, loss=None, batches=None):
+    """Mean of loss(model, x, y) (default: the cross entropy, nats per character) over fixed-seed validation
+    batches, the same for every model: windows of data.val, or batches(batch_size, seqlen, device) (a stream
+    seeded by its caller). The one validation loop: documents, draft heads and KIVI's chunks plug in here."""
     seqlen = seqlen or model.seqlen
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
+    draw = batches or (lambda b, s, d: get_batch(data.val, b, s, generator, d))
+    loss = loss or cross_entropy_loss
     was_training = model.training
     model.eval()
-    losses = []
-    for _ in range(n_batches):
-        x, y = get_batch(data.val, batch_size, seqlen, generator, device)
-        logits = logits_of(model(x))  # [B, S, vocab]
-        losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    losses = [loss(model, *draw(batch_size, seqlen, device)).item() for _ in range(n_batches)]
     model.train(was_training)
     return sum(losses) / len(losses)
 
