@@ -17,7 +17,6 @@ attention layer must write every pair into its fixed state, so its accuracy fall
 """
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache
@@ -104,24 +103,15 @@ def train(model, steps, lr, pairs, seqlen, n_keys, batch_size, seed, desc, warmu
     """AdamW without weight decay (0.1 keeps these small models on the plateau); each step a fresh batch
     of seqlen tokens and a pair count drawn from 1..max(pairs) (one model for every count); the loss on the
     answers only. (Batches only as long as their pairs need were tried: they stalled softmax GPTlite.)"""
-    generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    model.train()
-    for step in (bar := tqdm(range(steps), desc=desc, dynamic_ncols=True, mininterval=1)):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, lr, min(warmup, steps))
+    def batches(generator, device):
         n_pairs = int(torch.randint(1, max(pairs) + 1, (1,), generator=generator))
-        x, y = (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
-        loss = F.cross_entropy(training.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
-        training.check_finite(loss.item(), step + 1, steps, lr, "recall training loss")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    model.eval()
+        return (t.to(device) for t in mqar_batch(batch_size, n_pairs, seqlen, n_keys, generator))
+
+    def answers_loss(model, x, y):
+        return F.cross_entropy(training.logits_of(model(x)).flatten(0, 1), y.flatten(), ignore_index=-100)
+    training.train_steps(model, None, steps, batch_size, seqlen, lr, seed, loss_fn=answers_loss, desc=desc,
+                         evaluate=False, batches=batches, schedule=lambda step: lr_at(step, steps, lr, min(warmup, steps)),
+                         betas=(0.9, 0.98), weight_decay=0.0)
 
 
 @torch.inference_mode()

@@ -46,27 +46,37 @@ def check_finite(loss, step, n_steps, lr, what, hint=None):
                                f"Nothing was saved.")
 
 
+def cosine_schedule(n_steps, lr):
+    """lr at each step: linear warm-up (a tenth of the steps, at most 100), then cosine decay to lr/10."""
+    warmup = min(100, max(n_steps // 10, 1))
+
+    def lr_at(step):
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress = (step - warmup) / max(n_steps - warmup, 1)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return lr_at
+
+
 def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_interval=None,
-                loss_fn=cross_entropy_loss, desc="training", hint=None, evaluate=None):
-    """Train `model` for `n_steps` AdamW steps (warm-up, cosine decay, gradient clipping at 1.0).
+                loss_fn=cross_entropy_loss, desc="training", hint=None, evaluate=None, batches=None, schedule=None,
+                betas=(0.9, 0.99), weight_decay=0.1):
+    """Train `model` for `n_steps` AdamW steps (gradient clipping at 1.0): the one training loop.
 
     Returns the validation history [{"step", "val_loss"}], evaluated every `eval_interval` steps
     and after the last one. `loss_fn(model, x, y)` lets distillation swap the loss; `hint` is what a
     divergence error says about its causes (check_finite); `evaluate(model)`, the validation figure
-    (default: validation_loss on 10 batches), lets a draft head that is not a language model report its own."""
+    (default: validation_loss on 10 batches; False: none), lets a draft head that is not a language model
+    report its own. `batches(generator, device)`: each step's (x, y) (default: random windows of data.train);
+    `schedule(step)`: the learning rate (default: cosine_schedule); betas and weight_decay: AdamW's."""
     if n_steps < 1:
         raise ValueError(f"n_steps must be at least 1, got {n_steps}")
     device = next(model.parameters()).device
     eval_interval = eval_interval or max(n_steps // 5, 1)
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
-    warmup = min(100, max(n_steps // 10, 1))
-
-    def lr_at(step):  # linear warm-up, then cosine decay to lr/10
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        progress = (step - warmup) / max(n_steps - warmup, 1)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    lr_at = schedule or cosine_schedule(n_steps, lr)
+    draw = batches or (lambda generator, device: get_batch(data.train, batch_size, seqlen, generator, device))
 
     history = []
     model.train()
@@ -74,14 +84,14 @@ def train_steps(model, data, n_steps, batch_size, seqlen, lr, seed=0, eval_inter
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        x, y = get_batch(data.train, batch_size, seqlen, generator, device)
+        x, y = draw(generator, device)
         loss = loss_fn(model, x, y)
         check_finite(loss.item(), step + 1, n_steps, lr, "training loss", hint)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if (step + 1) % eval_interval == 0 or step + 1 == n_steps:
+        if evaluate is not False and ((step + 1) % eval_interval == 0 or step + 1 == n_steps):
             val = evaluate(model) if evaluate else validation_loss(model, data, n_batches=10)
             history.append({"step": step + 1, "val_loss": val})
             check_finite(history[-1]["val_loss"], step + 1, n_steps, lr, "validation loss", hint)  # the last update
