@@ -385,13 +385,21 @@ def shape_tables(shape_table, kv_table, kv_block):
     return tables
 
 
-def headline(rows, bench):
-    """The README's one-glance row, from this run's rows."""
+def headline(rows, shape_table, kv_table):
+    """The README's one-glance row, from this run's rows: the best int4's quality, and at the gptlite shape on
+    the fast path the weights' and the KV cache's TPOT against float32's."""
     best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
-    return dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI",
-                figure=f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss "
-                       f"{best['loss_change']:+.4f}; int4 kernel {bench[3]['speedup_vs_float32']:.1f}x float32 "
-                       f"on a {bench[0]['weight_mb']:.0f} MB matrix")
+    figure = f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss {best['loss_change']:+.4f}"
+    weights = [f"{r['variant'].split(' ')[0]} {r['tpot_vs_float32']:.2f}x" for r in shape_table
+               if r["path"] == "fast" and r["variant"] != "float32" and r["tpot_vs_float32"] is not None]
+    kivi = [f"{r['variant'].split(' KV')[0]} {r['tpot_vs_float32']:.2f}x" for r in kv_table
+            if r["path"] == "fast" and r["variant"] != "float32" and r["tpot_vs_float32"] is not None]
+    if weights:
+        figure += f"; gptlite shape, fast path, TPOT vs float32 at batch 1: {', '.join(weights)}"
+    if kivi:
+        figure += (f"; KV cache at batch {kv_table[0]['batch_size']} x {kv_table[0]['context']} tokens: "
+                   f"{', '.join(kivi)}")
+    return dict(technique="quantization: weights (RTN, GPTQ, AWQ, torchao), W8A8, FP8, KIVI", figure=figure)
 
 
 def plot_results(rows, bench, shape_table, kv_table, bandwidth, llc, preset, device):
@@ -523,7 +531,7 @@ def main(argv=None):
     kv_table = kv_shape_rows(kv_model, kv_caches, args.shape_batch, args.shape_context, args.shape_tokens,
                              args.paths, args.repeats, bandwidth, llc)
     summary = summary_lines(checks, path_rows, args, layers)
-    harness.report(args, "main_quantization.py", preset, device, rows, headline(rows, bench), summary=summary,
+    harness.report(args, "main_quantization.py", preset, device, rows, headline(rows, shape_table, kv_table), summary=summary,
                    tables=[harness.table("Greedy decoding on each path (TPOT ms; vs_float32: float32's TPOT on the "
                                          "same path / this one's)", path_rows),
                            harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)]

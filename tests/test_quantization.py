@@ -219,6 +219,12 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert kv[0]["kv_mb"] == round(2 * 6 * 2 * 6 * 64 * 64 * 4 / 2**20, 1) == kv[3]["kv_mb"]  # 2 x L x B x H x ctx x D
     assert kv[0]["kv_mb"] / 4 > kv[1]["kv_mb"] > kv[2]["kv_mb"] and kv[0]["tpot_vs_float32"] in (1.0, None)
     assert sum("dequantized entries" in c for c in result["checks"]) == 2
+    figure = result["headline"]["figure"]  # the one-glance row: quality, then the gptlite shape's ratios
+    assert figure.startswith("int4 g32, ") and "bits per weight" in figure
+    assert all(f"{r['variant'].split(' ')[0]} {r['tpot_vs_float32']:.2f}x" in figure for r in shape[1:4]
+               if r["tpot_vs_float32"] is not None)  # None: a TPOT within the timer's noise
+    assert all(f"{r['variant'].split(' KV')[0]} {r['tpot_vs_float32']:.2f}x" in figure for r in kv[4:]
+               if r["tpot_vs_float32"] is not None)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
