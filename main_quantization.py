@@ -24,8 +24,8 @@ machine's read bandwidth, measured in this run). A third table decodes at the po
 float32 weights, more than the cache; random weights, so only time is measured) on the fast path in float32,
 bfloat16, int8 and int4: TPOT against the bytes each step reads, the plot's third panel. A fourth decodes there
 from full KV caches (--shape-batch sequences of --shape-context random entries; 0: none): a float32 cache against
-KIVI's, on the eager path (PyTorch dequantizes the cache's blocks at every step: the fast path has no KIVI
-kernel), float32 also on the fast path; TPOT against the bytes each step reads, the plot's fourth panel.
+KIVI's, on each path: eager PyTorch dequantizes the cache's blocks at every step, the fast path's attention reads
+the codes (lib/fast_decode.PackedKIVICache); TPOT against the bytes each step reads, the plot's fourth panel.
 
 Checks first: each weight-only variant's packed kernel gives the logits of its dequantize-then-matmul form
 (atol 1e-4); at the shape, a step over each KIVI cache gives the logits of one over a float32 cache holding its
@@ -531,7 +531,8 @@ def main(argv=None):
     kv_table = kv_shape_rows(kv_model, kv_caches, args.shape_batch, args.shape_context, args.shape_tokens,
                              args.paths, args.repeats, bandwidth, llc)
     summary = summary_lines(checks, path_rows, args, layers)
-    harness.report(args, "main_quantization.py", preset, device, rows, headline(rows, shape_table, kv_table), summary=summary,
+    harness.report(args, "main_quantization.py", preset, device, rows, headline(rows, shape_table, kv_table),
+                   summary=summary,
                    tables=[harness.table("Greedy decoding on each path (TPOT ms; vs_float32: float32's TPOT on the "
                                          "same path / this one's)", path_rows),
                            harness.table("Matrix-vector product on a matrix larger than the last-level cache", bench)]

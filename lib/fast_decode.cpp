@@ -12,7 +12,8 @@
 // StaticKVCache.update writes them: token n goes to slot n % S and attends over slots 0 .. n (all S once
 // the buffer has wrapped; its position embedding is then the last one, S - 1, as KVCache.positions).
 // G key/value heads serve the H query heads in groups of H/G consecutive heads (GQA; G = H is plain
-// multi-head attention).
+// multi-head attention). A KIVI cache (KiviKV, lib/fast_decode.py's PackedKIVICache) goes through the same
+// blocks(): its attention reads the 4- or 2-bit codes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -20,7 +20,8 @@ Models: GPTlite, GPTlite_KVCache, GPTlite_GQA (pruned ones too: every block of o
 the blocks' linear layers may be lib/quantization.QuantLinear, int8 per channel or int4 per group (RTN or
 GPTQ): the kernel then reads their codes, a quarter or an eighth of the bytes, and applies the scales to sums;
 `native_view(model, torch.bfloat16)` stores the blocks' float weights in bfloat16 (half the bytes, float32 sums).
-`linear(x, packed(w), scale, b)` is the kernel of one linear layer on its own.
+`linear(x, packed(w), scale, b)` is the kernel of one linear layer on its own. `PackedKIVICache` is a KIVI cache
+(4 or 2 bits) laid out for the kernel: `forward_cache` through it attends over the codes, dequantizing nothing.
 """
 import copy
 import functools
@@ -244,10 +245,7 @@ class PackedKIVICache(KVCache):
     def truncate(self, n):
         """Keep tokens 0 .. n-1: as KIVICache.truncate, n at a block boundary or inside the float residual."""
         self.check_truncate(n)
-        sealed = self.n_tokens // self.block * self.block
-        if n < sealed and n % self.block:
-            raise ValueError(f"KIVI cannot roll back to {n} tokens: token {n} is inside a block already quantized "
-                             f"(blocks of {self.block}); keep a multiple of {self.block}, or at least {sealed}")
+        qz.check_kivi_rollback(n, self.n_tokens // self.block * self.block, self.block)
         self.n_tokens = n
 
     @property

@@ -73,8 +73,8 @@ def read_bandwidth(nbytes=400 * 2**20, repeats=5):
 def filled_cache(model, batch_size, context, extra=64, seed=0, kv_bits=None, kv_block=32):
     """A cache for `model` holding `context` random entries per sequence, as if a prompt of that length had
     been encoded: a StaticKVCache of context + extra slots (its cached heads: GQA's groups); with kv_bits, a
-    KIVICache of that many bits (blocks of kv_block tokens quantized, the rest float32); for a GPTlite_MLA its dynamic cache
-    of random latents (grown by torch.cat, as its decoding does)."""
+    KIVICache of that many bits (blocks of kv_block tokens quantized, the rest float32); for a GPTlite_MLA its
+    dynamic cache of random latents (grown by torch.cat, as its decoding does)."""
     torch.manual_seed(seed)
     c = model.config
     if isinstance(model, GPTlite_MLA):

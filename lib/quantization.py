@@ -376,6 +376,14 @@ def dequantize_asym(packed, scale, lo, bits, shape):
     return unpack(packed, bits)[..., :shape[-1]].reshape(shape).float() * scale + lo
 
 
+def check_kivi_rollback(n, n_quantized, block):
+    """A KIVI cache keeps no float values of a block once it is quantized: a rollback to n tokens must not fall
+    inside one (n a multiple of `block`, or at least the n_quantized tokens of the full blocks)."""
+    if n < n_quantized and n % block:
+        raise ValueError(f"KIVI cannot roll back to {n} tokens: token {n} is inside a block already quantized "
+                         f"(blocks of {block}); keep a multiple of {block}, or at least {n_quantized}")
+
+
 class KIVICache(KVCache):
     """Per layer: quantized blocks of `block` tokens (keys per channel: min and max over the block's tokens;
     values per token: over its channels) and a float32 residual of the latest tokens, quantized once it holds a
@@ -420,9 +428,7 @@ class KIVICache(KVCache):
         tokens before n. A block already quantized keeps no float values, so n must not fall inside one."""
         self.check_truncate(n)
         n_quantized = len(self.blocks[0]) * self.block
-        if n < n_quantized and n % self.block:
-            raise ValueError(f"KIVI cannot roll back to {n} tokens: token {n} is inside a block already quantized "
-                             f"(blocks of {self.block}); keep a multiple of {self.block}, or at least {n_quantized}")
+        check_kivi_rollback(n, n_quantized, self.block)
         keep = min(n, n_quantized) // self.block
         for layer, res in enumerate(self.residual):
             self.blocks[layer] = self.blocks[layer][:keep]
