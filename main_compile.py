@@ -83,10 +83,10 @@ def check_args(args, parser, preset):
                            f"a batch of {max(args.batch_sizes)} through the {shape.name} model")
 
 
-def load_shape(name, device, data, untrained, seed):
+def load_shape(preset, device, data, untrained, seed):
     """The GPTlite_KVCache of a preset and the note of its weights: its checkpoint when there (the main
     preset's is trained if missing), else untrained weights (an extra shape is not trained here)."""
-    model = iu.load_model(GPTlite_KVCache, name, device, data, untrained=untrained, seed=seed)
+    model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=untrained, seed=seed)
     return model, "untrained" if untrained else "trained"
 
 
@@ -295,7 +295,8 @@ def main(argv=None):
     with engines.temp_dir() as workdir:
         for name in [preset.name] + args.extra_presets:
             untrained = args.untrained or (name != preset.name and not checkpoint_path(name).exists())
-            model, weights = load_shape(name, device, data, untrained, args.seed)
+            shape = preset if name == preset.name else name  # the main preset as setup made it (--train-iters)
+            model, weights = load_shape(shape, device, data, untrained, args.seed)
             rows += measure_shape(name, model, weights, data, args, device, f"{workdir}/{name}")
             if name == preset.name:
                 prompt = corpus.sample_prompts(data, 1, args.prompt_len, seed=args.seed, device=device)

@@ -1,6 +1,7 @@
 """The script skeleton: flags (checked before any work), set-up, checks, and the report (table, JSON,
 plot), the same in every main_<technique>.py."""
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -139,6 +140,9 @@ def add_common_args(parser):
     add_model_args(parser)
     parser.add_argument("--untrained", action="store_true",
                         help="random weights, no checkpoint: a quick smoke run (loss figures are meaningless)")
+    parser.add_argument("--train-iters", type=steps, default=None,
+                        help="training steps of the preset's checkpoint, where it is trained (default: the preset's; "
+                             "a checkpoint of other steps is trained again: the GPU run of reproduce.py sizes it)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--plot", default=None, metavar="PATH", help="also save the script's plot as PNG to PATH")
 
@@ -162,6 +166,8 @@ def setup(args, parser, check_args=None):
     except GPTliteError as e:
         parser.error(str(e))
     preset = get_preset(args.preset or ("gptlite" if device.type == "cuda" else "cpu"))
+    if getattr(args, "train_iters", None) is not None:  # the checkpoint's recipe, and so its stamp, with these steps
+        preset = dataclasses.replace(preset, iters=args.train_iters)
     if getattr(args, "prompt_len", None) is not None and args.prompt_len > preset.seqlen:
         parser.error(f"--prompt-len must be at most the model's seqlen={preset.seqlen}, got {args.prompt_len}")
     if check_args is not None:

@@ -354,3 +354,87 @@ def test_each_headline_renders_from_its_scripts_real_json(run, tmp_path):
     assert block.count("\n| ") >= 2 + len(result["rows"])  # header, rule and one line per row, at least
     for table in result.get("tables") or []:
         assert table["title"] in block
+
+
+# ----------------------------------------------------------------------------------------------------
+# The GPU run (--device cuda --budget): its plan, printed and tested without a GPU.
+
+def test_the_gpu_plan_fits_its_budget_and_sizes_the_checkpoint_to_it(capsys):
+    reproduce.main(["--device", "cuda", "--budget", "10", "--dry-run"])
+    out = capsys.readouterr().out
+    iters = int(10 * 60 * reproduce.GPU_TRAIN_SHARE / reproduce.GPU_TRAIN_STEP_S)
+    assert 1 <= iters < reproduce.presets.get_preset("gptlite").iters  # cut to the budget
+    assert f"python gptlite.py --preset gptlite --device cuda --iters {iters}" in out
+    _, train_minutes, planned, skipped = reproduce.gpu_plan(10, {run.name for run in reproduce.RUNS})
+    assert train_minutes + sum(step.minutes for step in planned) <= 10
+    assert {step.name for step in reproduce.GPU_STEPS} <= {run.name for run in reproduce.RUNS}
+    for step in planned:  # each with the budget's checkpoint, and the line says so
+        line = next(line for line in out.splitlines() if f"python {step.name}.py" in line)
+        assert f"--device cuda --preset gptlite --train-iters {iters}" in line and f"{step.minutes:4.1f} min" in line
+    for line in skipped:
+        assert line in out
+    assert len(planned) + len(skipped) == len(reproduce.GPU_STEPS)
+
+
+def test_a_small_budget_skips_what_does_not_fit_with_one_line_each(capsys):
+    reproduce.main(["--device", "cuda", "--budget", "3", "--dry-run"])
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if line.strip().startswith("skipped ")]
+    assert skipped and all("of the budget left" in line for line in skipped)
+    assert "skipped main_static_batching: about 0.5 min" in out
+    planned = [line for line in out.splitlines() if "--train-iters" in line]
+    assert planned and len(planned) + len(skipped) == len(reproduce.GPU_STEPS)
+    reproduce.main(["--device", "cuda", "--budget", "10", "--dry-run", "--only", "main_gqa.py"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "--train-iters" in line]
+    assert len(lines) == 1 and "python main_gqa.py" in lines[0]  # --only keeps only its runs
+
+
+@pytest.mark.parametrize("step", reproduce.GPU_STEPS, ids=lambda step: step.name)
+def test_each_gpu_command_is_accepted_by_its_script(step, monkeypatch):
+    """The plan's flags parse in the script itself (on the CPU here: --device cpu for cuda, nothing run)."""
+    import importlib
+    run = next(run for run in reproduce.RUNS if run.name == step.name)
+    cmd = reproduce.gpu_command(run, step, 123, "cpu")
+    module = importlib.import_module(run.script[:-3])
+    parsed = module.parse_args(cmd[1:])
+    args, preset = parsed[0], parsed[1]
+    assert args.train_iters == 123 and preset.name == "gptlite" and preset.iters == 123  # the checkpoint's recipe
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "5"], "--budget sizes the GPU run: add --device cuda"),
+    (["--device", "cuda", "--budget", "0", "--dry-run"], "--budget 0: give minutes above 0"),
+    (["--device", "cuda", "--budget", "5", "--quick", "--dry-run"], "--budget plans its own runs and checkpoint"),
+])
+def test_bad_budget_flags_are_one_clear_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_one_line_before_any_work(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(reproduce, "ROOT", tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["--device", "cuda", "--budget", "10"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "asked for CUDA, which this machine does not have" in err[-1]
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_the_gpu_run_trains_then_runs_what_fits_and_stops_at_the_budget(fake_repo, monkeypatch, capsys):
+    (fake_repo / "gptlite.py").write_text("import sys; print('trained', sys.argv[1:])\n")
+    (fake_repo / "bad.py").write_text("import time; time.sleep(60)\n")  # overruns: stopped at the budget's end
+    monkeypatch.setattr(reproduce, "GPU_STEPS", [reproduce.GpuStep("ok", 0.01), reproduce.GpuStep("bad", 0.01),
+                                                 reproduce.GpuStep("ok", 100)])
+    monkeypatch.setattr(reproduce.harness, "get_device", lambda name: torch.device(name or "cpu"))  # no GPU here
+    with pytest.raises(SystemExit):
+        reproduce.main(["--device", "cuda", "--budget", "0.1"])  # 6 s
+    out = capsys.readouterr()
+    assert "skipped ok: about 100 min" in out.out
+    assert "was stopped after" in out.err + out.out
+    assert "--train-iters" in (fake_repo / "results" / "cuda" / "ok.json").read_text()  # the planned command
+    assert "trained" in (fake_repo / "results" / "cuda" / "logs" / "checkpoint.out").read_text()
+    page = (fake_repo / "docs" / "page.md").read_text()
+    assert "<!-- reproduce:ok:table:cuda -->" in page and "<!-- reproduce:bad:table:cuda -->" not in page
+    assert "<!-- reproduce:summary:table:cuda -->" in (fake_repo / "README.md").read_text()  # the runs it made
