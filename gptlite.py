@@ -16,8 +16,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lib import harness
-
 
 def scaled_dot_product_attention(Q, K, V, causal_mask=True, dropout=None):
     """The explicit reference attention: scores matrix, causal mask, softmax, weighted values."""
@@ -207,8 +205,9 @@ def generate(model, prompt, n_tokens, seqlen):
 
 
 if __name__ == "__main__":
-    # Run as a script this file is the module __main__, and inference_utils imports the module gptlite,
-    # another module object: this import closes no cycle (importing gptlite never imports inference_utils).
+    # The command line is the CLI module's (lib/harness.py) and the training inference_utils'; importing
+    # gptlite imports neither (run as a script this file is the module __main__, another module object).
     import inference_utils as iu
+    from lib import harness
     harness.run(lambda: harness.training_cli("Train a GPTlite checkpoint and print a generated sample.",
                                              iu.train_checkpoint, lambda m, p, n: generate(m, p, n, m.seqlen), 300))

@@ -21,8 +21,6 @@ import torch.nn as nn
 
 from gptlite import GPTliteConfig
 from gptlite_kvcache import GPTlite_KVCache, MultiHeadAttention_KVCache, scaled_dot_product_attention_kv_cache
-from lib import files
-from lib.errors import CheckpointError
 
 
 def group_counts(n_heads):
@@ -119,15 +117,3 @@ def gqa_from_mha(mha_state, config, n_groups):
     model = GPTlite_GQA(**config, n_groups=n_groups)
     model.load_state_dict(convert_mha_to_gqa(mha_state, config["n_heads"], config["d_head"], n_groups))
     return model
-
-
-def load_gqa(path, device="cpu"):
-    """The uptrained GPTlite_GQA that `python main_gqa.py --save PATH` saved (its config holds n_groups),
-    in eval mode."""
-    ckpt = files.load_checkpoint(path, rebuild=f"python main_gqa.py --save {path}")
-    if "n_groups" not in ckpt["config"]:
-        raise CheckpointError(f"{path} is not a GQA checkpoint (no n_groups in its config); "
-                                 f"make one with: python main_gqa.py --save {path}")
-    model = GPTlite_GQA(**ckpt["config"])
-    model.load_state_dict(ckpt["state_dict"])
-    return model.to(device).eval()

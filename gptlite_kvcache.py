@@ -62,7 +62,7 @@ def scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=Non
 #
 # The caches: DynamicKVCache (the post's list of (keys, values) per layer, wrapped for the layers),
 # StaticKVCache, kv_budget.BudgetCache (window, sinks, H2O, SnapKV, Quest), paged_engine.PagedStep
-# (block tables over the engine's pool), moba.MoBACache (MoBA's block selection). Statistics are
+# (block tables over the engine's pool), gptlite_moba.MoBACache (MoBA's block selection). Statistics are
 # opt-in objects that a cache calls when given one (kv_budget.AttentionMass).
 
 class KVCache:
@@ -390,3 +390,11 @@ def generate_kvcache(model, prompt, n_tokens, seqlen, kv_cache=None):
     token, kv_cache = prefill(model, prompt, kv_cache, seqlen)
     tokens, _ = decode_n_tokens(model, token, kv_cache, n_tokens - 1, seqlen)
     return torch.cat([prompt, token] + tokens, dim=1)
+
+
+def kv_cache_model(model):
+    """A GPTlite_KVCache with the config and weights of the GPTlite `model`, on its device, in eval mode."""
+    weight = model.fc_out.weight
+    cached = GPTlite_KVCache.from_config(model.config).to(weight.device, weight.dtype)
+    cached.load_state_dict(model.state_dict())
+    return cached.eval()

@@ -1,4 +1,4 @@
-"""LoRA adapters for GPTlite: train with peft, serve with the repository's own code.
+"""LoRA adapters for GPTlite, served with the repository's own code (trained with peft: lib/lora_peft.py).
 
 Blog section: "Other serving techniques" (multi-LoRA serving: S-LoRA, Punica). A LoRA adapter adds a low-rank
 update to some linear layers: W x + s * B A x, with A: [r, in], B: [out, r], s = alpha / r. Two ways to
@@ -12,15 +12,11 @@ serve a batch whose requests use different adapters:
 """
 import math
 import numbers
-import re
 
 import torch
 import torch.nn as nn
 
-import inference_utils as iu
-from gptlite_kvcache import generate_kvcache
-from lib import corpus
-from lib.errors import GPTliteError
+from gptlite_kvcache import generate_kvcache, kv_cache_model
 
 # The linear layers an adapter may target, named as in a block (peft's target_modules match these suffixes).
 LORA_TARGETS = ("query_proj", "key_proj", "value_proj", "out_proj", "ffwd.net.0", "ffwd.net.2")
@@ -114,14 +110,6 @@ class LoRAAdapter(nn.Module):
         return self.scaling * self.B[i] @ self.A[i]
 
 
-def divergence_hint(rank, alpha, lr):
-    """What a diverged LoRA fine-tuning says (training.train_steps' hint): alpha scales the update, so it is as
-    likely a cause as the learning rate."""
-    alpha = float(alpha if alpha is not None else 2 * rank)
-    return (f"(LoRA alpha {alpha:g}, so a scale alpha / r = {alpha / rank:g}, and peak learning rate {lr:g}); rerun "
-            f"with a lower alpha or a lower learning rate")
-
-
 def random_adapter(model, rank, targets=ATTENTION_TARGETS, alpha=None, seed=0, std=0.02):
     """An adapter with random A and B (an untrained stand-in: its update is not zero)."""
     generator = torch.Generator().manual_seed(seed)
@@ -131,35 +119,6 @@ def random_adapter(model, rank, targets=ATTENTION_TARGETS, alpha=None, seed=0, s
             A.copy_(torch.randn(A.shape, generator=generator) / A.shape[1]**0.5)
             B.copy_(torch.randn(B.shape, generator=generator) * std)
     return adapter.to(model.fc_out.weight.device)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training with peft, then the weights taken out into a LoRAAdapter.
-
-def peft_model(model, rank, targets=ATTENTION_TARGETS, alpha=None):
-    """The GPTlite `model` wrapped by peft's LoRA (its weights frozen, A and B trainable)."""
-    targets = check_lora_args(rank, targets, alpha, model)  # before peft's slow import
-    from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
-                        target_modules=list(targets), bias="none")
-    return get_peft_model(model, config)
-
-
-def adapter_from_peft(peft, base):
-    """The LoRAAdapter holding the A, B and scale of a peft-wrapped GPTlite (`base`: a model of its shape)."""
-    config = peft.peft_config["default"]
-    adapter = LoRAAdapter(base, config.r, tuple(sorted(config.target_modules, key=LORA_TARGETS.index)),
-                          config.lora_alpha)
-    modules = dict(peft.base_model.model.named_modules())
-    with torch.no_grad():
-        for i, name in enumerate(adapter.names):
-            layer = modules[name]
-            if layer.scaling["default"] != adapter.scaling:
-                raise GPTliteError(f"peft's scale {layer.scaling['default']} at {name} is not alpha / r = "
-                                      f"{adapter.scaling}; this is a bug")
-            adapter.A[i].copy_(layer.lora_A["default"].weight)  # [r, in]
-            adapter.B[i].copy_(layer.lora_B["default"].weight)  # [out, r]
-    return adapter
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,7 +191,7 @@ def multi_lora_model(model, adapters):
         if a.rank != first.rank or a.targets != first.targets:
             raise ValueError(f"adapters must share rank and targets to be stacked: {a.config()} against "
                              f"{first.config()}")
-    served = iu.kv_cache_model(model)
+    served = kv_cache_model(model)
     weights = dict(model.named_parameters())
     for name, p in served.named_parameters():
         p.data = weights[name].data  # share the base weights: no second copy
@@ -269,44 +228,3 @@ def generate_multi_lora(model, prompts, adapter_ids, n_tokens, seqlen):
 
 def adapters_nbytes(adapters):
     return sum(p.numel() * p.element_size() for a in adapters for p in a.parameters())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Slices of the corpus: the turns of one speaker.
-
-def speaker_turns(text, speaker):
-    """Every turn of `speaker` ("NAME:\\n" then the lines), in corpus order, joined by blank lines."""
-    turns = [t for t in text.split("\n\n") if t.startswith(f"{speaker}:\n")]
-    return "\n\n".join(turns)
-
-
-def speakers_by_text(text):
-    """Speaker names by characters spoken, most first."""
-    counts = {}
-    for turn in text.split("\n\n"):
-        m = re.match(r"([A-Za-z' ]+):\n", turn)
-        if m:
-            counts[m.group(1)] = counts.get(m.group(1), 0) + len(turn)
-    return sorted(counts, key=counts.get, reverse=True)
-
-
-def speaker_data(data, speaker, seqlen, min_windows=8):
-    """An corpus.Data of one speaker's turns in tiny Shakespeare's validation split (text the base model never
-    trained on): the first 80% to fine-tune on, the last 20% to validate on. An unknown name or too little
-    text is a clear error."""
-    text = data.val_text
-    turns = speaker_turns(text, speaker)
-    if not turns:
-        raise GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare's validation split (names are upper case "
-                              f"as in the text); the most lines: {', '.join(speakers_by_text(text)[:8])}")
-    n_train = int(0.8 * len(turns))
-    if len(turns) - n_train < min_windows + seqlen + 1:
-        raise GPTliteError(f"speaker {speaker!r} has {len(turns):,} characters in the validation split, too few "
-                              f"for held-out windows of {seqlen}; pick one with more lines, e.g. "
-                              f"{', '.join(speakers_by_text(text)[:4])}")
-    tokens = torch.tensor(data.encode(turns))
-    return corpus.Data(vocab=data.vocab, train=tokens[:n_train], val=tokens[n_train:])
-
-
-def slug(speaker):
-    return re.sub(r"[^a-z0-9]+", "_", speaker.lower()).strip("_")

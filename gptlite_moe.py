@@ -35,9 +35,7 @@ import torch.nn.functional as F
 
 from gptlite import FeedForward, GPTliteConfig
 from gptlite_kvcache import GPTlite_KVCache
-from lib import files
-from lib.errors import CheckpointError, GPTliteError
-from lib.training import logits_of
+from lib.errors import GPTliteError
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -251,33 +249,3 @@ class GPTlite_MoE(GPTlite_KVCache):
     def aux_loss(self):
         """The load-balancing loss of the last forward pass, summed over layers."""
         return sum(layer.routing.aux_loss for layer in self.moe_layers())
-
-
-def moe_loss_fn(aux_weight=0.01, bias_rate=0.0):
-    """train_steps' loss_fn: cross entropy + aux_weight x the load-balancing loss. bias_rate > 0 (the
-    sigmoid router's auxiliary-loss-free balancing) nudges each layer's selection bias after the forward
-    pass, towards the experts that were under-loaded in this batch."""
-    def loss_fn(model, x, y):
-        loss = F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
-        if bias_rate:
-            for layer in model.moe_layers():
-                layer.update_selection_bias(bias_rate)
-        return loss + aux_weight * model.aux_loss() if aux_weight else loss
-    return loss_fn
-
-
-def moe_checkpoint(preset_name, n_experts, top_k, d_expert, router, balanced=True):
-    """Where main_moe.py keeps its MoE of these settings (trained with or without balancing)."""
-    return files.checkpoint_path(f"{preset_name}_moe_e{n_experts}k{top_k}h{d_expert}_{router}_"
-                                 f"{'balanced' if balanced else 'unbalanced'}")
-
-
-def load_moe(path, vocab=None, device="cpu"):
-    """A GPTlite_MoE saved by main_moe.py (its config holds n_experts), verified, in eval mode."""
-    rebuild = "python main_moe.py (with the settings of this file)"
-    ckpt = files.load_checkpoint(path, vocab=vocab, rebuild=rebuild)
-    if "n_experts" not in ckpt["config"]:
-        raise CheckpointError(f"{path} is not a mixture-of-experts checkpoint (no n_experts in its config); {rebuild}")
-    model = GPTlite_MoE(**ckpt["config"])
-    model.load_state_dict(ckpt["state_dict"])
-    return model.to(device).eval()

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from gptlite import GPTlite, generate
-from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
+from gptlite_kvcache import GPTlite_KVCache, generate_kvcache, kv_cache_model  # noqa: F401 (kv_cache_model: re-exported)
 from lib.errors import CheckpointError, GPTliteError  # noqa: F401 (GPTliteError: re-exported)
 from lib.files import checkpoint_path, gptlite_command, load_checkpoint, save_checkpoint
 from lib.presets import get_preset
@@ -301,14 +301,6 @@ def kv_cache_bytes(kv_cache):
 
 def n_params(model):
     return sum(p.numel() for p in model.parameters())
-
-
-def kv_cache_model(model):
-    """A GPTlite_KVCache with the config and weights of the GPTlite `model`, on its device, in eval mode."""
-    weight = model.fc_out.weight
-    cached = GPTlite_KVCache.from_config(model.config).to(weight.device, weight.dtype)
-    cached.load_state_dict(model.state_dict())
-    return cached.eval()
 
 
 def generation_figures(variants, n_tokens, batch_size, device, repeats):

@@ -31,7 +31,8 @@ import torch.distributed as dist
 import inference_utils as iu
 from gptlite_ep import check_ep_size, parallel_moe_model, split_batch
 from gptlite_kvcache import decode_n_tokens, generate_kvcache, prefill
-from gptlite_moe import GPTlite_MoE, load_moe, moe_checkpoint
+from gptlite_moe import GPTlite_MoE
+from lib.variant_checkpoints import load_moe, moe_checkpoint
 from lib import corpus, distributed, harness, training
 
 ATOL = 1e-5  # float32 logits: the same terms, summed on other ranks in another order

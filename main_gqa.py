@@ -19,7 +19,7 @@ the last-level cache: TPOT against the bytes a step reads, beside the machine's 
 Checks first: the conversion with n_groups == n_heads gives exactly the multi-head model's logits and
 tokens, and every variant's cached decoding gives the logits of its full forward pass. Nothing is
 written unless every check passes. With --save PATH the uptrained GQA model (config with n_groups) is
-kept: load it with gptlite_gqa.load_gqa(PATH).
+kept: load it with lib.variant_checkpoints.load_gqa(PATH).
 """
 import math
 
@@ -104,7 +104,7 @@ def parse_args(argv):
     add("--lr", type=harness.learning_rate, default=None, help="peak learning rate of uptraining (default: preset's / 3)")
     harness.add_generation_flags(parser, batch_size=64, prompt_len=32, n_tokens=64, repeats=3)
     add("--save", default=None, metavar="PATH",
-        help="also save the uptrained GQA model there (default: not saved); load it with gptlite_gqa.load_gqa")
+        help="also save the uptrained GQA model there (default: not saved); load it with lib.variant_checkpoints.load_gqa")
     add("--save-groups", type=harness.int_at_least(1), default=None,
         help="group count of the saved model (default: the smallest above 1 that is not MHA)")
     harness.add_paths_flag(parser)

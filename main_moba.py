@@ -26,9 +26,9 @@ import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_kvcache import kv_cache_view
 from lib import corpus, files, harness, training
-from lib.moba import (GPTlite_MoBA, MoBACache,  # noqa: F401 (the post's listing: the selection and the mask)
-                      attention_cost, cost_figures, keys_read, make_flex_check, moba_attention, n_blocks,
-                      select_blocks, uptrained)
+from gptlite_moba import (GPTlite_MoBA, MoBACache,  # noqa: F401 (the post's listing: the selection and the mask)
+                          moba_attention, n_blocks, select_blocks)
+from lib.moba import attention_cost, cost_figures, keys_read, make_flex_check, uptrained
 
 ATOL = 1e-4  # float32 logits (units to tens): FlexAttention's online softmax sums in another order
 FLEX_ATOL = 1e-5  # float32 attention outputs on random unit inputs

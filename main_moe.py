@@ -30,7 +30,9 @@ import torch
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from gptlite_moe import GPTlite_MoE, moe_checkpoint, moe_loss_fn
+from gptlite_moe import GPTlite_MoE
+from lib.training import moe_loss_fn
+from lib.variant_checkpoints import moe_checkpoint
 from lib import corpus, files, harness, training
 
 ATOL = 1e-4  # float32 logits: k experts summed against E masked experts, in another order

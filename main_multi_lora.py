@@ -28,9 +28,9 @@ import torch
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from gptlite_lora import (ATTENTION_TARGETS, LORA_TARGETS, LoRAAdapter, adapter_from_peft, check_lora_args,
-                          divergence_hint, generate_merged, generate_multi_lora, merge_adapter, multi_lora_model,
-                          peft_model, random_adapter, slug, speaker_data)
+from gptlite_lora import (ATTENTION_TARGETS, LORA_TARGETS, LoRAAdapter, check_lora_args, generate_merged,
+                          generate_multi_lora, merge_adapter, multi_lora_model, random_adapter)
+from lib.lora_peft import adapter_from_peft, divergence_hint, peft_model
 from lib import corpus, files, harness, training
 
 SPEAKERS = ("PETRUCHIO", "PROSPERO", "TRANIO", "KATHARINA")  # the most lines in the validation split
@@ -39,7 +39,7 @@ SPEAKERS = ("PETRUCHIO", "PROSPERO", "TRANIO", "KATHARINA")  # the most lines in
 def adapter_path(preset, speaker, rank, targets):
     code = "".join(t[0] for t in targets if not t.startswith("ffwd")) + "".join(
         "m" + t[-1] for t in targets if t.startswith("ffwd"))  # qkvo, qv, qkvom0m2
-    return files.checkpoint_path(f"{preset.name}_lora_{slug(speaker)}_r{rank}_{code}")
+    return files.checkpoint_path(f"{preset.name}_lora_{corpus.slug(speaker)}_r{rank}_{code}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +266,7 @@ def summary_lines(losses, checks, n_trained, n_max):
 
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
-    slices = {s: speaker_data(data, s, preset.seqlen) for s in args.speakers}  # bad names fail before training
+    slices = {s: corpus.speaker_data(data, s, preset.seqlen) for s in args.speakers}  # bad names fail before training
     base = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     recipe = Recipe(args.rank, args.alpha, tuple(args.targets), args.lora_steps, args.lora_batch_size, args.lr, args.seed)
     n_max = max(max(args.adapter_counts), len(args.speakers))

@@ -6,7 +6,7 @@
 
 Blog section: "Sparse plus linear attention: SLA". The attention map of the prefill is cut into tiles of
 block-size queries x block-size keys; the softmax of the mean-pooled queries against the mean-pooled keys
-ranks each query block's key blocks (lib/sla.py: classify_blocks). The top --exact fraction of each
+ranks each query block's key blocks (gptlite_sla.py: classify_blocks). The top --exact fraction of each
 row is computed exactly (softmax, sparse_part), the bottom --skipped fraction is left out, and the rest
 goes through linear attention (linear_part), whose output passes a zero-initialised d_head x d_head
 projection before it is added: O = O_s + proj(O_l) (sla_attention). The ablation of the paper, sparse
@@ -33,9 +33,9 @@ import torch
 import inference_utils as iu
 from gptlite import GPTlite
 from lib import attention_summary, corpus, harness, training
-from lib.sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, attention_flops, attention_inputs,  # noqa: F401
-                     check_sla_args, classify_blocks, fit_projections, linear_part, relative_error, sla_attention,
-                     sparse_part, tile_counts, tile_fractions)
+from gptlite_sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, check_sla_args,  # noqa: F401 (the post's listing)
+                         classify_blocks, linear_part, sla_attention, sparse_part, tile_counts)
+from lib.sla import attention_flops, attention_inputs, fit_projections, relative_error, tile_fractions
 
 DENSE_ATOL = 1e-6  # float32 attention outputs of bidirectional SLA at exact = 1 against dense attention
 LENGTHS = [128, 1024, 4096, 16384, 65536]  # the FLOPs panel's sequence lengths (bidirectional, counted, not run)

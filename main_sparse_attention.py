@@ -8,7 +8,7 @@
 Blog section: "Sparse attention". Each method keeps or reads at most `budget` cache
 entries per layer and head at a decode step (kv_budget.py); a budget of the whole context is dense attention.
 Two rotary models: the rotary GPTlite of checkpoints/<preset>_rope.pt, trained on random windows (no position
-is special), and the start-token model (gptlite_rope.load_start_token), trained the way LLMs are: every
+is special), and the start-token model (lib/variant_checkpoints.load_start_token), trained the way LLMs are: every
 sequence begins with a reserved start token followed by a document (a speaker turn) from its start.
 1. Checks first: every method at a full budget gives generate_kvcache's tokens; the budgeted dense path
    gives the full forward pass's logits; both rotary models' cached decode and sinks + window cache at a
@@ -30,7 +30,7 @@ from tqdm import tqdm
 import inference_utils as iu
 from gptlite import GPTlite
 from gptlite_kvcache import generate_kvcache
-from gptlite_rope import START_STEPS, load_rope, load_start_token, start_token_id
+from lib.variant_checkpoints import START_STEPS, load_rope, load_start_token, start_token_id
 from lib import attention_benchmark as ab
 from lib import attention_summary
 from lib import corpus, harness

@@ -41,10 +41,10 @@ import torch
 
 import inference_utils as iu
 from gptlite import GPTlite, generate
-from gptlite_mtp import GPTlite_MTP, mtp_loss_fn
+from gptlite_mtp import FeatureHead, GPTlite_MTP
 from lib import corpus, files, harness, training
-from lib.draft_heads import (FeatureHead, MedusaHeads, eagle_loss_fn, feature_loss, head_evaluate, medusa_loss,
-                             medusa_loss_fn)
+from lib.draft_heads import (MedusaHeads, eagle_loss_fn, feature_loss, head_evaluate, medusa_loss, medusa_loss_fn,
+                             mtp_loss_fn)
 from lib.speculative import (FeatureDrafter, LookupDrafter, MedusaDrafter, ModelDrafter,  # noqa: F401
                              accept_always, accept_draft, early_exit_model, exact_continuations, measure_group,
                              plain_generate, run_once, sampling_test, speculative_generate)

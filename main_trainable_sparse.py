@@ -7,12 +7,12 @@
 
 Blog section: "Sparse attention". Three ways to let each query read a few of the past keys, chosen by
 something trained (or trainable) with the model:
-- MoBA (lib/moba.py): blocks of keys ranked by the query's dot product with each block's mean key; top-k
+- MoBA (gptlite_moba.py): blocks of keys ranked by the query's dot product with each block's mean key; top-k
   blocks, its own among them.
-- NSA (lib/nsa.py): a compressed branch over block summaries, whose scores also rank the blocks for an
+- NSA (gptlite_nsa.py): a compressed branch over block summaries, whose scores also rank the blocks for an
   exact selected branch (top-n blocks, the first and its own among them), and a sliding window; learned
   sigmoid gates mix the three.
-- DSA (lib/dsa.py): a small "lightning indexer" scores every past token; the top-k tokens are attended.
+- DSA (gptlite_dsa.py, its training lib/dsa.py): a small "lightning indexer" scores every past token; the top-k tokens are attended.
 Each is applied to the trained dense GPTlite (its Q, K, V weights) and evaluated as it is (inference only),
 then uptrained for the same short budget; dense attention gets the same uptraining as the control, so the
 gap left is the cost of the sparsity. DSA's indexer is new, so as in DeepSeek-V3.2 it is first warmed up
@@ -43,6 +43,9 @@ checkpoint, learning rate and seed.
 import torch
 import torch.nn.functional as F
 
+import gptlite_dsa
+import gptlite_moba
+import gptlite_nsa
 import inference_utils as iu
 from gptlite import GPTlite
 from lib import attention_benchmark, attention_summary, corpus, dsa, files, harness, moba, nsa, training
@@ -63,7 +66,7 @@ def dense_copy(base):
 
 
 def moba_from_dense(base, block_size, top_k):
-    model = moba.GPTlite_MoBA(**base.config.to_dict(), block_size=block_size, top_k=top_k)
+    model = gptlite_moba.GPTlite_MoBA(**base.config.to_dict(), block_size=block_size, top_k=top_k)
     model.load_state_dict(base.state_dict())  # the router has no weights: GPTlite's state dict exactly
     return model.to(next(base.parameters()).device).eval()
 
@@ -90,15 +93,15 @@ def counted_keys(model, method, windows):
         with torch.no_grad():
             Q, K = mha.split_heads(mha.query_proj(x)), mha.split_heads(mha.key_proj(x))  # [B, H, S, D]
             if method == "MoBA":
-                counts.append(moba.moba_mask(moba.select_blocks(Q, K, mha.block_size, mha.top_k), mha.block_size,
+                counts.append(gptlite_moba.moba_mask(gptlite_moba.select_blocks(Q, K, mha.block_size, mha.top_k), mha.block_size,
                                              S).sum(-1))
             elif method == "NSA":
-                selected = nsa.selected_mask(nsa.select_blocks(Q, K, mha.block_size, mha.top_n), mha.block_size, S)
-                compressed = nsa.compressed_scores(Q, K, mha.block_size) > float("-inf")  # [B, H, S, nc]
-                counts.append(selected.sum(-1) + nsa.window_mask(S, S, mha.window, x.device).sum(-1)
+                selected = gptlite_nsa.selected_mask(gptlite_nsa.select_blocks(Q, K, mha.block_size, mha.top_n), mha.block_size, S)
+                compressed = gptlite_nsa.compressed_scores(Q, K, mha.block_size) > float("-inf")  # [B, H, S, nc]
+                counts.append(selected.sum(-1) + gptlite_nsa.window_mask(S, S, mha.window, x.device).sum(-1)
                               + compressed.sum(-1))
             else:
-                counts.append(dsa.select_topk(mha.indexer(x), mha.top_k).sum(-1)[:, None])  # [B, 1, S]
+                counts.append(gptlite_dsa.select_topk(mha.indexer(x), mha.top_k).sum(-1)[:, None])  # [B, 1, S]
     return counts
 
 
@@ -129,10 +132,10 @@ def run_checks(base, window, preset, methods):
     """{name: ok}: each method in its dense-equivalent setting gives GPTlite's logits; the keys counted from
     each method's selection equal its formula at every position, in every layer, head and window."""
     S, reference = preset.seqlen, base(window)
-    nb = moba.n_blocks(S, methods["MoBA"][0])
+    nb = gptlite_moba.n_blocks(S, methods["MoBA"][0])
     diffs = {"MoBA, every block": (moba_from_dense(base, methods["MoBA"][0], nb)(window) - reference),
              "NSA, gates (0, 1, 0), every block": (nsa.nsa_from_dense(
-                 base, methods["NSA"][0], nsa.n_blocks(S, methods["NSA"][0]), methods["NSA"][2]).fix_gates(
+                 base, methods["NSA"][0], gptlite_nsa.n_blocks(S, methods["NSA"][0]), methods["NSA"][2]).fix_gates(
                  (0, 1, 0))(window) - reference),
              f"DSA, top-{S}": dsa.dsa_from_dense(base, S, *methods["DSA"][1:])(window) - reference}
     checks = {}
@@ -233,8 +236,8 @@ def decode_variants(d_index, n_index_heads, seed):
                 "MoBA": lambda q, K, V, means: moba.moba_decode(q, K, V, means, *BENCH_MOBA),
                 "NSA": lambda q, K, V, Kc, Vc: nsa.nsa_decode(q, K, V, Kc, Vc, *BENCH_NSA),
                 "DSA": lambda q, K, V, keys, iq, iw: dsa.dsa_decode(q, K, V, iq, iw, keys, BENCH_DSA)}
-    caches = {"MoBA": lambda K, V: (moba.block_mean_keys(K, BENCH_MOBA[0]),),
-              "NSA": lambda K, V: (nsa.compress(K, BENCH_NSA[0]), nsa.compress(V, BENCH_NSA[0])),
+    caches = {"MoBA": lambda K, V: (gptlite_moba.block_mean_keys(K, BENCH_MOBA[0]),),
+              "NSA": lambda K, V: (gptlite_nsa.compress(K, BENCH_NSA[0]), gptlite_nsa.compress(V, BENCH_NSA[0])),
               "DSA": dsa_cache}
     return variants, caches
 
@@ -342,8 +345,8 @@ def parse_args(argv):
             if block >= S:
                 parser.error(f"{flag} {block} does not fit the {S}-token window in more than one block; "
                              f"choose one below {S}")
-        for flag, value, blocks in (("--moba-top-k", args.moba_top_k, moba.n_blocks(S, args.moba_block)),
-                                    ("--nsa-top-n", args.nsa_top_n, nsa.n_blocks(S, args.nsa_block))):
+        for flag, value, blocks in (("--moba-top-k", args.moba_top_k, gptlite_moba.n_blocks(S, args.moba_block)),
+                                    ("--nsa-top-n", args.nsa_top_n, gptlite_nsa.n_blocks(S, args.nsa_block))):
             if value >= blocks:
                 parser.error(f"{flag} {value} reads every one of the {blocks} blocks: dense attention, which is "
                              f"the control row; choose fewer")

@@ -7,10 +7,11 @@ Mechanisms:
 - disaggregation: prefill and decode on separate workers, the KV cache handed over.
 - distributed: torch.distributed helpers of the multi-process scripts (torchrun, gloo or NCCL).
 - draft_heads: Medusa's heads and EAGLE's one-block head, reading the target's hidden states.
-- dsa, moba, nsa, sla: the trainable sparse attentions (DeepSeek Sparse Attention, MoBA, NSA, SLA) for GPTlite.
+- dsa, moba, nsa, sla: the sparse attentions beside their models (gptlite_dsa.py, ...): training, costs, decode steps.
 - engines: GPTlite's weights in Hugging Face transformers and CTranslate2.
 - fast_decode (and fast_decode.cpp): the fast decode path, the cached forward pass as one C++ call.
 - kv_budget: window, sinks, H2O, SnapKV, Quest: which cached tokens a decode step attends to.
+- lora_peft: LoRA adapters trained with peft, taken out into gptlite_lora's LoRAAdapter.
 - memory_bound: read bandwidth, the last-level cache, decode steps over a filled cache, TPOT against bytes.
 - offload: weights in a slow tier, each block streamed in (ZeRO-Inference's way).
 - paged_engine: the serving engine (block manager, scheduler, model runner) over a paged KV cache.
@@ -28,7 +29,8 @@ Scaffolding:
 - files: atomic files (temp file, then rename) and checkpoint integrity.
 - harness: the script skeleton: flags checked before any work, set-up, checks, the report (table, JSON, plot).
 - presets: the model presets, and the student of a preset.
-- training: the one AdamW training loop and the validation loss.
+- training: the one AdamW training loop, the validation loss, and the losses of trained variants (MoE).
+- variant_checkpoints: the model variants' checkpoints (rotary, start-token, MoE, GQA): trained, loaded.
 
 Model loading, timing and evaluation are inference_utils.py, at the top level.
 """

@@ -4,6 +4,7 @@ import functools
 import hashlib
 import http.client
 import os
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from lib.errors import DataError
+from lib.errors import DataError, GPTliteError
 from lib.files import ROOT, atomic_write_bytes
 
 DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -152,3 +153,44 @@ def document_batch(tokens, starts, start_id, batch_size, seqlen, generator=None,
     x, y = seqs[:, :-1], seqs[:, 1:].clone()
     y[y == start_id] = IGNORE
     return x.to(device), y.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Slices of the corpus: the turns of one speaker.
+
+def speaker_turns(text, speaker):
+    """Every turn of `speaker` ("NAME:\\n" then the lines), in corpus order, joined by blank lines."""
+    turns = [t for t in text.split("\n\n") if t.startswith(f"{speaker}:\n")]
+    return "\n\n".join(turns)
+
+
+def speakers_by_text(text):
+    """Speaker names by characters spoken, most first."""
+    counts = {}
+    for turn in text.split("\n\n"):
+        m = re.match(r"([A-Za-z' ]+):\n", turn)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + len(turn)
+    return sorted(counts, key=counts.get, reverse=True)
+
+
+def speaker_data(data, speaker, seqlen, min_windows=8):
+    """A Data of one speaker's turns in tiny Shakespeare's validation split (text the base model never
+    trained on): the first 80% to fine-tune on, the last 20% to validate on. An unknown name or too little
+    text is a clear error."""
+    text = data.val_text
+    turns = speaker_turns(text, speaker)
+    if not turns:
+        raise GPTliteError(f"no speaker {speaker!r} in tiny Shakespeare's validation split (names are upper case "
+                              f"as in the text); the most lines: {', '.join(speakers_by_text(text)[:8])}")
+    n_train = int(0.8 * len(turns))
+    if len(turns) - n_train < min_windows + seqlen + 1:
+        raise GPTliteError(f"speaker {speaker!r} has {len(turns):,} characters in the validation split, too few "
+                              f"for held-out windows of {seqlen}; pick one with more lines, e.g. "
+                              f"{', '.join(speakers_by_text(text)[:4])}")
+    tokens = torch.tensor(data.encode(turns))
+    return Data(vocab=data.vocab, train=tokens[:n_train], val=tokens[n_train:])
+
+
+def slug(speaker):
+    return re.sub(r"[^a-z0-9]+", "_", speaker.lower()).strip("_")

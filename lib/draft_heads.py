@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlite_kvcache import Block_KVCache, StaticKVCache, kv_cache_view
+from gptlite_kvcache import kv_cache_view
+from gptlite_mtp import FeatureHead  # noqa: F401 (EAGLE's head is MTP's module)
 from lib.training import validation_loss
 
 
@@ -46,37 +47,6 @@ class MedusaHeads(nn.Module):
     def forward(self, h, target, n=None):
         """Logits [B, n, V] of the first n heads from the states h [B, d]."""
         return head_logits(target, self.states(h, n))
-
-
-class FeatureHead(nn.Module):
-    """One block over fuse([h_t, embedding(x_{t+1})]) -> the state at t+1. normed: RMSNorm on both inputs
-    first (DeepSeek-V3's MTP module), else EAGLE's plain concatenation."""
-
-    def __init__(self, d_model, n_heads, d_head, normed=False):
-        super().__init__()
-        self.n_heads, self.d_head = n_heads, d_head
-        self.norm_h = nn.RMSNorm(d_model) if normed else nn.Identity()
-        self.norm_e = nn.RMSNorm(d_model) if normed else nn.Identity()
-        self.fuse = nn.Linear(2 * d_model, d_model)
-        self.block = Block_KVCache(d_model, n_heads, d_head, 0.0)
-
-    def features(self, tokens, states, embedding):
-        """tokens [B, T] (x_{t+1}), states [B, T, d] (h_t) -> the block's inputs [B, T, d]."""
-        return self.fuse(torch.cat([self.norm_h(states), self.norm_e(embedding(tokens))], dim=-1))
-
-    def forward(self, tokens, states, embedding):
-        """Training: every position at once, causal. Returns the predicted states [B, T, d]."""
-        return self.block(self.features(tokens, states, embedding))[0]
-
-    def new_cache(self, batch_size, max_seqlen):
-        p = self.fuse.weight
-        return StaticKVCache(1, batch_size, self.n_heads, self.d_head, max_seqlen, device=p.device, dtype=p.dtype)
-
-    def step(self, tokens, states, target, cache):
-        """Drafting: feed T positions on top of `cache`; returns the predicted states [B, T, d]."""
-        out, _ = self.block(self.features(tokens, states, target.token_embedding), cache, None, 0)
-        cache.advance(tokens.shape[1])
-        return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,3 +93,13 @@ def head_evaluate(loss, data, seqlen, n_batches=10, batch_size=32, seed=1234):
     next) on fixed validation batches; `loss(head, x, y)` returns (training loss, that cross entropy)."""
     return lambda head: validation_loss(head, data, n_batches, batch_size, seqlen, seed,
                                         loss=lambda h, x, y: loss(h, x, y)[1])
+
+
+def mtp_loss_fn(weight):
+    """train_steps' loss_fn: cross entropy of the next token + weight x that of the token after it (MTP)."""
+    def loss_fn(model, x, y):
+        h = model.hidden(x)  # [B, S, d]
+        main = F.cross_entropy(model.fc_out(model.ln(h)).flatten(0, 1), y.flatten())
+        _, mtp = feature_loss(model.mtp, model, x, y, h=h, regression=0.0, ce=1.0)
+        return main + weight * mtp
+    return loss_fn

@@ -182,3 +182,15 @@ def save_and_reload(path, model, config, vocab, rebuild, **meta):
                                    "saved model; this is a bug (nothing saved)")
     print(f"saved {path}; reloaded as {type(model).__name__}(**config): identical logits")
 
+
+def moe_loss_fn(aux_weight=0.01, bias_rate=0.0):
+    """train_steps' loss_fn: cross entropy + aux_weight x the load-balancing loss. bias_rate > 0 (the
+    sigmoid router's auxiliary-loss-free balancing) nudges each layer's selection bias after the forward
+    pass, towards the experts that were under-loaded in this batch."""
+    def loss_fn(model, x, y):
+        loss = F.cross_entropy(logits_of(model(x)).flatten(0, 1), y.flatten())
+        if bias_rate:
+            for layer in model.moe_layers():
+                layer.update_selection_bias(bias_rate)
+        return loss + aux_weight * model.aux_loss() if aux_weight else loss
+    return loss_fn

@@ -18,7 +18,7 @@ from gptlite_rope import GPTlite_RoPE
 from gptlite_tp import GPTlite_TP, TPConfig
 from lib import files, presets
 from lib.errors import CheckpointError
-from lib.moba import GPTlite_MoBA, MoBAConfig
+from gptlite_moba import GPTlite_MoBA, MoBAConfig
 from main_pruning import prune
 
 FOUR_HEADS = dict(TINY, n_heads=4)  # 4 heads: 2 groups, 2 tensor-parallel ranks

@@ -9,7 +9,8 @@ from conftest import TINY
 import inference_utils as iu
 import main_gqa
 from gptlite import GPTlite, generate
-from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, group_counts, load_gqa
+from gptlite_gqa import GPTlite_GQA, convert_mha_to_gqa, group_counts
+from lib.variant_checkpoints import load_gqa
 from gptlite_kvcache import StaticKVCache, generate_kvcache
 from lib import files, harness, presets, training
 from lib.errors import CheckpointError, GPTliteError

@@ -3,6 +3,7 @@ the model files import no project module inside a function, inference_utils.py s
 script's main() fits on a screen, and the repository has one median."""
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,44 @@ def test_no_import_cycle_among_the_project_modules():
 def test_the_model_files_import_no_project_module_inside_a_function(name):
     inside = [m for m, in_function in module_imports(MODULES[name]) if in_function]
     assert not inside, f"{name} imports {inside} inside a function"
+
+
+MODEL_FILES = sorted(n for n in MODULES if n.startswith("gptlite"))
+MODEL_FILE_MAY_IMPORT = {"lib.errors"}  # the exception classes: a leaf that imports nothing of the project
+
+
+def outside_imports(path):
+    """Every module a file imports outside its main guard, by its full name."""
+    names = []
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if is_main_guard(child):
+                continue
+            if isinstance(child, ast.Import):
+                names.extend(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                names.extend([f"lib.{a.name}" for a in child.names] if child.module == "lib" else [child.module])
+            visit(child)
+    visit(ast.parse(path.read_text()))
+    return names
+
+
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_the_model_files_import_only_torch_and_the_model_files_below_them(name):
+    """The house's rule: a model file imports torch, the standard library, other model files and lib/errors.py;
+    what trains, loads, times or serves a model imports it, never the other way."""
+    wrong = [m for m in outside_imports(MODULES[name]) if not (
+        m.split(".")[0] in sys.stdlib_module_names or m == "torch" or m.startswith("torch.")
+        or m in MODEL_FILES or m in MODEL_FILE_MAY_IMPORT)]
+    assert not wrong, f"{name} imports {wrong}: move what needs them out of the model file (lib/ or a script)"
+
+
+def test_the_import_rule_test_sees_an_import_that_breaks_it(tmp_path):
+    bad = tmp_path / "gptlite_bad.py"
+    bad.write_text("import torch\nimport inference_utils\nfrom lib import files\nif __name__ == '__main__':\n"
+                   "    from lib import harness\n")
+    assert outside_imports(bad) == ["torch", "inference_utils", "lib.files"]
 
 
 def test_inference_utils_is_a_few_helpers():

@@ -10,8 +10,8 @@ from conftest import TINY, random_gptlite
 
 import main_moba
 from lib import files, harness, presets, training
-from lib.moba import (GPTlite_MoBA, attention_cost, check_moba_args, keys_read, moba_attention, moba_flex_attention,
-                      moba_mask, select_blocks)
+from gptlite_moba import GPTlite_MoBA, check_moba_args, moba_attention, moba_flex_attention, moba_mask, select_blocks
+from lib.moba import attention_cost, keys_read
 
 ATOL = 1e-6  # float32 attention outputs on random unit inputs
 
@@ -112,7 +112,7 @@ def test_moba_as_a_kv_cache_of_gptlites_own_forward_pass_gives_gptlite_moba(top_
     """MoBA's selection through the cache interface: a prompt, then one token at a time, equals the rows of
     GPTlite_MoBA's whole-sequence forward pass; the recorded keys read are the formula's."""
     from gptlite_kvcache import decode_one_token, generate_kvcache, kv_cache_view
-    from lib.moba import MoBACache
+    from gptlite_moba import MoBACache
     base = random_gptlite()
     x = torch.randint(TINY["vocab_size"], (3, TINY["seqlen"]), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

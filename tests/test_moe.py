@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from gptlite import GPTlite
 import inference_utils as iu
 import main_moe
-from gptlite_moe import GPTlite_MoE, GPTliteMoEConfig, MoEFeedForward, RouterError, moe_loss_fn, within_capacity
+from gptlite_moe import GPTlite_MoE, GPTliteMoEConfig, MoEFeedForward, RouterError, within_capacity
+from lib.training import moe_loss_fn
 from lib import files, harness, training
 
 ATOL = 1e-5  # float32 sums of a few experts in another order

@@ -13,7 +13,7 @@ import gptlite_lora as gl
 import inference_utils as iu
 import main_multi_lora
 from gptlite import GPTlite
-from lib import files, harness, presets, training
+from lib import corpus, files, harness, lora_peft, presets, training
 from lib.errors import GPTliteError, TrainingDiverged
 
 SEQLEN = TINY["seqlen"]
@@ -50,12 +50,12 @@ def merged_by_hand(model, adapter):
 
 def test_adapter_taken_out_of_peft_gives_peft_logits(tiny_models):
     base, _ = tiny_models
-    peft = gl.peft_model(copy.deepcopy(base), 4, TARGETS, alpha=6)
+    peft = lora_peft.peft_model(copy.deepcopy(base), 4, TARGETS, alpha=6)
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.3)  # peft starts B at zero: make the update show
-    adapter = gl.adapter_from_peft(peft, base)
+    adapter = lora_peft.adapter_from_peft(peft, base)
     assert adapter.rank == 4 and adapter.targets == TARGETS and adapter.scaling == 6 / 4
     x = tokens(2, SEQLEN)
     with torch.no_grad():
@@ -67,7 +67,7 @@ def test_adapter_taken_out_of_peft_gives_peft_logits(tiny_models):
 
 def test_peft_trains_only_the_adapter(tiny_models):
     base, _ = tiny_models
-    peft = gl.peft_model(copy.deepcopy(base), 2)
+    peft = lora_peft.peft_model(copy.deepcopy(base), 2)
     trainable = [n for n, p in peft.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert len(trainable) == 2 * TINY["n_layers"] * len(gl.ATTENTION_TARGETS)
@@ -125,22 +125,22 @@ def test_a_zero_adapter_is_the_base_model(tiny_models):
 
 def test_speaker_turns_and_slices():
     text = "ROMEO:\nO she doth teach.\n\nJULIET:\nAy me!\n\nROMEO:\nShe speaks.\n\nFIRST ROMEO:\nNo."
-    assert gl.speaker_turns(text, "ROMEO") == "ROMEO:\nO she doth teach.\n\nROMEO:\nShe speaks."
-    assert gl.speakers_by_text(text)[0] == "ROMEO"
-    assert gl.slug("DUKE VINCENTIO") == "duke_vincentio"
+    assert corpus.speaker_turns(text, "ROMEO") == "ROMEO:\nO she doth teach.\n\nROMEO:\nShe speaks."
+    assert corpus.speakers_by_text(text)[0] == "ROMEO"
+    assert corpus.slug("DUKE VINCENTIO") == "duke_vincentio"
 
 
 def test_speaker_data_splits_the_speakers_turns(real_data):
-    data = gl.speaker_data(real_data, "PETRUCHIO", 128)
+    data = corpus.speaker_data(real_data, "PETRUCHIO", 128)
     text = real_data.decode(data.train.tolist()) + real_data.decode(data.val.tolist())
     assert text.startswith("PETRUCHIO:\n") and len(data.val) == len(text) - int(0.8 * len(text))
     val_text = real_data.decode(real_data.val.tolist())  # the split the base model never trained on
     assert all(turn in val_text for turn in text.split("\n\n"))
     assert "PETRUCHIO:\nAnd you, good sir!" in text and "GREMIO:" not in text
     with pytest.raises(GPTliteError, match="no speaker 'ROMEO' in tiny Shakespeare's validation split.*PETRUCHIO"):
-        gl.speaker_data(real_data, "ROMEO", 128)  # his lines are all in the training split
+        corpus.speaker_data(real_data, "ROMEO", 128)  # his lines are all in the training split
     with pytest.raises(GPTliteError, match="'PETER' has 49 characters in the validation split, too few"):
-        gl.speaker_data(real_data, "PETER", 128)
+        corpus.speaker_data(real_data, "PETER", 128)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_rank_below_one_is_refused(tiny_models, rank):
     with pytest.raises(ValueError, match="LoRA rank must be an integer of at least 1"):
         gl.LoRAAdapter(base, rank)
     with pytest.raises(ValueError, match="LoRA rank must be an integer of at least 1"):
-        gl.peft_model(copy.deepcopy(base), rank)
+        lora_peft.peft_model(copy.deepcopy(base), rank)
 
 
 def test_unknown_target_is_refused(tiny_models):
@@ -160,7 +160,7 @@ def test_unknown_target_is_refused(tiny_models):
     with pytest.raises(ValueError, match=r"unknown LoRA target module\(s\) \['fc_in'\]; choose among query_proj"):
         gl.LoRAAdapter(base, 2, ("query_proj", "fc_in"))
     with pytest.raises(ValueError, match="unknown LoRA target"):
-        gl.peft_model(copy.deepcopy(base), 2, ("mha",))
+        lora_peft.peft_model(copy.deepcopy(base), 2, ("mha",))
 
 
 @pytest.mark.parametrize("rank, target", [(33, "query_proj"), (25, "query_proj"), (25, "out_proj"),
@@ -174,7 +174,7 @@ def test_rank_above_the_layer_is_refused(tiny_models, rank, target):
     with pytest.raises(ValueError, match=message):
         gl.LoRAAdapter(base, rank, (target,))
     with pytest.raises(ValueError, match=message):
-        gl.peft_model(copy.deepcopy(base), rank, (target,))
+        lora_peft.peft_model(copy.deepcopy(base), rank, (target,))
     assert gl.LoRAAdapter(base, limit, (target,)).A[0].shape[0] == limit  # the largest rank is fine
 
 
@@ -185,7 +185,7 @@ def test_alpha_that_is_not_a_positive_finite_number_is_refused(tiny_models, alph
     with pytest.raises(ValueError, match=message):
         gl.LoRAAdapter(base, 2, alpha=alpha)
     with pytest.raises(ValueError, match=message):
-        gl.peft_model(copy.deepcopy(base), 2, alpha=alpha)
+        lora_peft.peft_model(copy.deepcopy(base), 2, alpha=alpha)
     with pytest.raises(ValueError, match=message):
         gl.random_adapter(base, 2, alpha=alpha)
 
@@ -208,7 +208,7 @@ def test_a_single_string_target_is_one_target(tiny_models):
     adapter = gl.LoRAAdapter(base, 2, "value_proj")
     assert adapter.targets == ("value_proj",) and adapter.names == ["blocks.0.mha.value_proj",
                                                                     "blocks.1.mha.value_proj"]
-    peft = gl.peft_model(copy.deepcopy(base), 2, "value_proj")
+    peft = lora_peft.peft_model(copy.deepcopy(base), 2, "value_proj")
     assert sorted(n for n, p in peft.named_parameters() if p.requires_grad) == [
         f"base_model.model.blocks.{i}.mha.value_proj.lora_{m}.default.weight" for i in (0, 1) for m in "AB"]
     message = (r"unknown LoRA target module\(s\) \['fc_in'\]; choose among query_proj, key_proj, value_proj, "
@@ -216,13 +216,13 @@ def test_a_single_string_target_is_one_target(tiny_models):
     with pytest.raises(ValueError, match=message):
         gl.LoRAAdapter(base, 2, "fc_in")
     with pytest.raises(ValueError, match=message):
-        gl.peft_model(copy.deepcopy(base), 2, "fc_in")
+        lora_peft.peft_model(copy.deepcopy(base), 2, "fc_in")
 
 
 def test_a_diverged_lora_training_names_alpha_and_the_learning_rate(real_data, tiny_models, monkeypatch):
     base, _ = tiny_models
     preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=2, lr=1e-3, iters=1)
-    slice_data = gl.speaker_data(real_data, "TRANIO", SEQLEN)
+    slice_data = corpus.speaker_data(real_data, "TRANIO", SEQLEN)
     recipe = main_multi_lora.Recipe(rank=2, alpha=4.0, targets=("query_proj",), steps=2, batch_size=2, lr=1e-2)
     train_steps = training.train_steps
     nan_loss = lambda model, x, y: training.cross_entropy_loss(model, x, y) * float("nan")  # noqa: E731
@@ -283,7 +283,7 @@ def test_adapters_are_saved_with_a_checksum_and_reused(tiny_models, monkeypatch,
     base, _ = tiny_models
     monkeypatch.setattr(files, "CHECKPOINT_DIR", tmp_path)
     preset = presets.Preset("tiny", **{k: v for k, v in TINY.items() if k != "vocab_size"}, batch_size=4, lr=1e-3, iters=1)
-    slice_data = gl.speaker_data(real_data, "TRANIO", SEQLEN)
+    slice_data = corpus.speaker_data(real_data, "TRANIO", SEQLEN)
     recipe = main_multi_lora.Recipe(rank=2, alpha=4.0, targets=("query_proj", "value_proj"), steps=3, batch_size=2,
                                     lr=1e-2, seed=0)
     rebuild = "python main_multi_lora.py"

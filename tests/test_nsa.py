@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import TINY, random_gptlite
 
+import gptlite_nsa
 from gptlite import GPTlite
 from lib import nsa
 
@@ -90,13 +91,13 @@ def reference_dense(Q, K, V):
 @pytest.mark.parametrize("S, block", [(37, 8), (37, 5), (16, 4), (3, 4)])
 def test_compression_is_the_mean_of_each_whole_block(S, block):
     X = random_qkv(S=S)[0]
-    assert torch.allclose(nsa.compress(X, block), loop_compress(X, block), atol=ATOL)
+    assert torch.allclose(gptlite_nsa.compress(X, block), loop_compress(X, block), atol=ATOL)
 
 
 @pytest.mark.parametrize("block, top_n", [(8, 1), (8, 2), (8, 3), (5, 2), (5, 4), (4, 6)])
 def test_block_selection_matches_the_loop(block, top_n):
     Q, K, _ = random_qkv(S=37)
-    chosen = nsa.select_blocks(Q, K, block, top_n)  # [B, H, S, nb]
+    chosen = gptlite_nsa.select_blocks(Q, K, block, top_n)  # [B, H, S, nb]
     expected = loop_selection(Q, K, block, top_n)
     got = {key: chosen[key].nonzero().flatten().tolist() for key in expected}
     assert got == expected
@@ -105,14 +106,14 @@ def test_block_selection_matches_the_loop(block, top_n):
 @pytest.mark.parametrize("block, top_n", [(8, 1), (8, 2), (8, 3), (5, 2), (5, 4)])
 def test_selected_branch_matches_the_explicit_softmax(block, top_n):
     Q, K, V = random_qkv(S=37)
-    assert torch.allclose(nsa.selected_attention(Q, K, V, block, top_n), reference_selected(Q, K, V, block, top_n),
+    assert torch.allclose(gptlite_nsa.selected_attention(Q, K, V, block, top_n), reference_selected(Q, K, V, block, top_n),
                           atol=ATOL)
 
 
 @pytest.mark.parametrize("block", [8, 5, 4])
 def test_compressed_branch_matches_the_explicit_softmax(block):
     Q, K, V = random_qkv(S=37)
-    out = nsa.compressed_attention(Q, K, V, block)
+    out = gptlite_nsa.compressed_attention(Q, K, V, block)
     assert torch.allclose(out, reference_compressed(Q, K, V, block), atol=ATOL)
     assert out[:, :, :block - 1].abs().max() == 0  # no whole block yet: zeros
 
@@ -120,24 +121,24 @@ def test_compressed_branch_matches_the_explicit_softmax(block):
 @pytest.mark.parametrize("window", [1, 4, 9])
 def test_window_branch_matches_the_explicit_softmax(window):
     Q, K, V = random_qkv(S=37)
-    assert torch.allclose(nsa.window_attention(Q, K, V, window), reference_window(Q, K, V, window), atol=ATOL)
+    assert torch.allclose(gptlite_nsa.window_attention(Q, K, V, window), reference_window(Q, K, V, window), atol=ATOL)
 
 
 @pytest.mark.parametrize("block, top_n", [(8, 5), (8, 9), (5, 8), (37, 1)])
 def test_selection_of_every_block_is_dense_attention(block, top_n):
     Q, K, V = random_qkv(S=37)
-    assert torch.allclose(nsa.selected_attention(Q, K, V, block, top_n), reference_dense(Q, K, V), atol=ATOL)
+    assert torch.allclose(gptlite_nsa.selected_attention(Q, K, V, block, top_n), reference_dense(Q, K, V), atol=ATOL)
 
 
 @pytest.mark.parametrize("window", [37, 100])
 def test_window_of_the_whole_sequence_is_dense_attention(window):
     Q, K, V = random_qkv(S=37)
-    assert torch.allclose(nsa.window_attention(Q, K, V, window), reference_dense(Q, K, V), atol=ATOL)
+    assert torch.allclose(gptlite_nsa.window_attention(Q, K, V, window), reference_dense(Q, K, V), atol=ATOL)
 
 
 def test_the_first_and_own_blocks_are_always_selected():
     Q, K, _ = random_qkv(S=37)
-    chosen = nsa.select_blocks(Q, K, 4, 2)  # [B, H, S, 10]
+    chosen = gptlite_nsa.select_blocks(Q, K, 4, 2)  # [B, H, S, 10]
     own = torch.arange(37) // 4
     assert chosen[..., 0].all()
     assert chosen.gather(-1, own.view(1, 1, 37, 1).expand(2, 2, 37, 1)).all()
@@ -183,11 +184,11 @@ def test_state_dict_is_gptlites_plus_the_gates():
 def test_decode_step_is_the_last_row_of_the_branches(n, block, top_n, window):
     Q, K, V = random_qkv(S=n)
     q = Q[:, :, -1:]
-    out = nsa.nsa_decode(q, K, V, nsa.compress(K, block), nsa.compress(V, block), block, top_n, window)
-    expected = (nsa.compressed_attention(q, K, V, block) + nsa.selected_attention(q, K, V, block, top_n)
-                + nsa.window_attention(q, K, V, window)) / 3
+    out = nsa.nsa_decode(q, K, V, gptlite_nsa.compress(K, block), gptlite_nsa.compress(V, block), block, top_n, window)
+    expected = (gptlite_nsa.compressed_attention(q, K, V, block) + gptlite_nsa.selected_attention(q, K, V, block, top_n)
+                + gptlite_nsa.window_attention(q, K, V, window)) / 3
     assert torch.allclose(out, expected, atol=ATOL)
-    assert torch.allclose(nsa.selected_attention(q, K, V, block, top_n), reference_selected(Q, K, V, block, top_n)[
+    assert torch.allclose(gptlite_nsa.selected_attention(q, K, V, block, top_n), reference_selected(Q, K, V, block, top_n)[
         :, :, -1:], atol=ATOL)  # one query at the end of the cache: the whole sequence's last row
 
 
@@ -195,9 +196,9 @@ def test_decode_step_is_the_last_row_of_the_branches(n, block, top_n, window):
 def test_keys_read_counts_the_masks(block, top_n, window):
     S = 37
     Q, K, _ = random_qkv(S=S)
-    selected = nsa.selected_mask(nsa.select_blocks(Q, K, block, top_n), block, S).sum(-1)  # [B, H, S]
-    windowed = nsa.window_mask(S, S, window).sum(-1)  # [S]
-    compressed = (nsa.compressed_scores(Q, K, block) > float("-inf")).sum(-1)  # [B, H, S]
+    selected = gptlite_nsa.selected_mask(gptlite_nsa.select_blocks(Q, K, block, top_n), block, S).sum(-1)  # [B, H, S]
+    windowed = gptlite_nsa.window_mask(S, S, window).sum(-1)  # [S]
+    compressed = (gptlite_nsa.compressed_scores(Q, K, block) > float("-inf")).sum(-1)  # [B, H, S]
     for t in range(S):
         assert nsa.keys_read(t, block, top_n, window) == (selected[0, 0, t].item(), windowed[t].item(),
                                                           compressed[0, 0, t].item())
@@ -212,9 +213,9 @@ def test_keys_read_counts_the_masks(block, top_n, window):
     (True, 2, 4, "--nsa-block")])
 def test_bad_settings_are_errors_naming_the_flag(block_size, top_n, window, flag):
     with pytest.raises(ValueError, match=flag):
-        nsa.check_nsa_args(block_size, top_n, window)
+        gptlite_nsa.check_nsa_args(block_size, top_n, window)
     with pytest.raises(ValueError, match=flag):
-        nsa.GPTlite_NSA(**TINY, block_size=block_size, top_n=top_n, window=window)
+        gptlite_nsa.GPTlite_NSA(**TINY, block_size=block_size, top_n=top_n, window=window)
 
 
 @pytest.mark.parametrize("block, top_n", [(8, 3), (4, 2), (5, 4)])
@@ -223,8 +224,8 @@ def test_selected_branch_matches_fla_naive_nsa_selection(block, top_n):
     module's selection as block indices, -1 padding where fewer than top_n blocks exist."""
     naive = pytest.importorskip("fla.ops.nsa.naive").naive_nsa_selection
     Q, K, V = random_qkv(S=37)
-    chosen = nsa.select_blocks(Q, K, block, top_n)  # [B, H, S, nb]
+    chosen = gptlite_nsa.select_blocks(Q, K, block, top_n)  # [B, H, S, nb]
     ranked = torch.where(chosen, torch.arange(chosen.shape[-1]), -1).sort(dim=-1, descending=True).values
     indices = ranked[..., :top_n].permute(0, 2, 1, 3).contiguous()  # [B, S, H, top_n], -1 last
     out = naive(*(x.transpose(1, 2) for x in (Q, K, V)), indices, block_size=block).transpose(1, 2)
-    assert torch.allclose(nsa.selected_attention(Q, K, V, block, top_n), out, atol=ATOL)
+    assert torch.allclose(gptlite_nsa.selected_attention(Q, K, V, block, top_n), out, atol=ATOL)

@@ -5,7 +5,8 @@ import torch
 from conftest import TINY
 
 import inference_utils as iu
-from gptlite_rope import GPTlite_RoPE, apply_rope, rope_tables, train_rope
+from gptlite_rope import GPTlite_RoPE, apply_rope, rope_tables
+from lib.variant_checkpoints import train_rope
 from lib import files, presets, training
 
 
@@ -100,7 +101,7 @@ def test_train_save_and_reload(real_data, tmp_path):
 
 import re  # noqa: E402
 
-from gptlite_rope import document_batches, document_loss, load_start_token, start_token_id  # noqa: E402
+from lib.variant_checkpoints import document_batches, document_loss, load_start_token, start_token_id  # noqa: E402
 from lib import corpus  # noqa: E402
 
 TEXT = "tail of a turn\n\nA:\nab\n\nBB:\ncdef gh\n\nC:\ni\n\n\nD:\njklmn\n\nE:\nop\n\nF:\nqrstu\n\nG:\nvw\n"

@@ -11,8 +11,9 @@ from conftest import TINY, random_gptlite
 import main_sla
 from gptlite import GPTlite
 from lib import harness
-from lib.sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, attention_flops, check_sla_args, classify_blocks,
-                     dense_attention, linear_part, sla_attention, sparse_part, tile_counts)
+from gptlite_sla import (CRITICAL, MARGINAL, SKIPPED, GPTlite_SLA, check_sla_args, classify_blocks, dense_attention,
+                         linear_part, sla_attention, sparse_part, tile_counts)
+from lib.sla import attention_flops
 
 ATOL = 1e-6  # float32 attention outputs on random unit inputs
 

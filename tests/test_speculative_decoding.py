@@ -13,10 +13,10 @@ from scipy import stats as scipy_stats
 import main_speculative_decoding as msd
 from gptlite import GPTlite
 from gptlite_kvcache import DynamicKVCache, GPTlite_KVCache, StaticKVCache
-from gptlite_mtp import GPTlite_MTP, mtp_loss_fn
+from gptlite_mtp import FeatureHead, GPTlite_MTP
 from lib import files, harness, presets, training
 from lib import speculative as sp
-from lib.draft_heads import FeatureHead, MedusaHeads, full_hidden, head_logits, medusa_loss
+from lib.draft_heads import MedusaHeads, mtp_loss_fn, full_hidden, head_logits, medusa_loss
 
 SMALL = dict(vocab_size=65, d_model=32, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0, seqlen=32)
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import gptlite_moba
 import main_trainable_sparse
 from lib import attention_benchmark, files, harness, moba
 from lib.dsa import dsa_decode
@@ -26,8 +27,8 @@ def softmax_over(q, K, V, keys):
 @pytest.mark.parametrize("n, block, top_k", [(37, 8, 2), (40, 8, 3), (5, 8, 2), (64, 4, 20)])
 def test_moba_decode_is_the_last_row_of_moba_attention(n, block, top_k):
     q, K, V = random_cache(n)
-    out = moba.moba_decode(q, K, V, moba.block_mean_keys(K, block), block, top_k)
-    assert torch.allclose(out, moba.moba_attention(q, K, V, block, top_k), atol=ATOL)
+    out = moba.moba_decode(q, K, V, gptlite_moba.block_mean_keys(K, block), block, top_k)
+    assert torch.allclose(out, gptlite_moba.moba_attention(q, K, V, block, top_k), atol=ATOL)
 
 
 @pytest.mark.parametrize("n, top_k", [(37, 5), (37, 37), (10, 50)])
@@ -53,7 +54,7 @@ def test_benchmark_passes_each_variants_cache():
     variants = {"plain": lambda Q, K, V: Q, "cached": with_cache}
     results = attention_benchmark.benchmark(variants, [32, 48], 1, 2, 8, "cpu", repeats=1, n_queries=1,
                                             peak_memory=False,
-                                            caches={"cached": lambda K, V: (moba.block_mean_keys(K, 16),)})
+                                            caches={"cached": lambda K, V: (gptlite_moba.block_mean_keys(K, 16),)})
     assert seen["means"] == (1, 2, 3, 8)  # the last context's: 48 keys in blocks of 16
     assert results["plain"]["context"] == results["cached"]["context"] == [32, 48] and "peak_mb" not in results["plain"]
 
