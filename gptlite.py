@@ -190,18 +190,49 @@ def check_generation_args(model, prompt, n_tokens, seqlen):
                          f"shorten it, e.g. keep its last {seqlen} tokens: prompt[:, -{seqlen}:]")
 
 
+# ----------------------------------------------------------------------------------------------------
+# Generation: the repository's one decode loop, a step and a sampler plugged into it.
+
+def greedy(logits):
+    """The sampler of greedy decoding: the most likely next token of each row, logits [B, vocab] -> [B, 1]."""
+    return logits.argmax(dim=-1, keepdim=True)
+
+
+def decode_loop(step, tokens, n_tokens, sample=greedy):
+    """The one decode loop every generation of the repository goes through. `step(tokens)` takes the
+    tokens not yet seen [B, T] (the prompt, or a prefix of pending tokens, on the first call; then the
+    token just chosen, [B, 1]) and returns the logits of the next position [B, vocab]: it holds its cache
+    (or re-encodes its window, window_step). `sample(logits)` picks the next token [B, 1] (greedy; a
+    temperature sampler; identity where the step samples itself, as a compiled step does). Returns the
+    n_tokens new tokens [B, n_tokens]."""
+    new = []
+    for _ in range(n_tokens):
+        tokens = sample(step(tokens))
+        new.append(tokens)
+    return torch.cat(new, dim=1) if new else tokens[:, :0]
+
+
+def window_step(forward, seqlen):
+    """A decode_loop step without a cache: every call appends its tokens to the window of the last `seqlen`
+    tokens and re-encodes that window whole, `forward(window [B, <=seqlen])` -> logits [B, <=seqlen, vocab]
+    (or a tuple whose first element they are, as a cached model returns)."""
+    window = None
+
+    def step(tokens):
+        nonlocal window
+        window = (tokens if window is None else torch.cat([window, tokens], dim=1))[:, -seqlen:]
+        out = forward(window)
+        return (out[0] if isinstance(out, tuple) else out)[:, -1]  # [B, vocab]
+    return step
+
+
 @torch.inference_mode()
 def generate(model, prompt, n_tokens, seqlen):
     """Greedy decoding without a cache: every step re-encodes the last `seqlen` tokens (sliding window).
 
     prompt: [B, S] token ids. Returns the prompt followed by the n_tokens new tokens, [B, S + n_tokens]."""
     check_generation_args(model, prompt, n_tokens, seqlen)
-    tokens = prompt
-    for _ in range(n_tokens):
-        logits = model(tokens[:, -seqlen:])  # [B, <=seqlen, vocab]
-        next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
-        tokens = torch.cat([tokens, next_token], dim=1)
-    return tokens
+    return torch.cat([prompt, decode_loop(window_step(model, seqlen), prompt, n_tokens)], dim=1)
 
 
 if __name__ == "__main__":

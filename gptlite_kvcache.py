@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlite import Block, GPTlite, MultiHeadAttention, check_generation_args
+from gptlite import Block, GPTlite, MultiHeadAttention, check_generation_args, decode_loop, greedy
 
 
 def scaled_dot_product_attention_kv_cache(Q, K, V, causal_mask=True, dropout=None):
@@ -362,23 +362,26 @@ def kv_cache_view(model):
 def prefill(model, prompt, kv_cache, seqlen):
     """Encode the prompt [B, S] on top of `kv_cache`; return the first new token [B, 1] and the cache."""
     logits, kv_cache = model(prompt, kv_cache=kv_cache, max_seqlen=seqlen)
-    return logits[:, -1].argmax(dim=-1, keepdim=True), kv_cache
+    return greedy(logits[:, -1]), kv_cache
 
 
 @torch.inference_mode()
 def decode_one_token(model, token, kv_cache, seqlen):
     """One step: the last token [B, 1] in, the next token [B, 1] out."""
     logits, kv_cache = model(token, kv_cache=kv_cache, max_seqlen=seqlen)
-    return logits[:, -1].argmax(dim=-1, keepdim=True), kv_cache
+    return greedy(logits[:, -1]), kv_cache
 
 
 @torch.inference_mode()
 def decode_n_tokens(model, token, kv_cache, n_tokens, seqlen):
-    tokens = []
-    for _ in range(n_tokens):
-        token, kv_cache = decode_one_token(model, token, kv_cache, seqlen)
-        tokens.append(token)
-    return tokens, kv_cache
+    """n_tokens steps of decode_one_token's forward pass through gptlite.decode_loop, greedy: the new tokens
+    (a list of [B, 1]) and the cache."""
+    def step(token):
+        nonlocal kv_cache
+        logits, kv_cache = model(token, kv_cache=kv_cache, max_seqlen=seqlen)
+        return logits[:, -1]  # [B, vocab]
+    tokens = decode_loop(step, token, n_tokens)
+    return list(tokens.split(1, dim=1)), kv_cache
 
 
 @torch.inference_mode()

@@ -15,7 +15,7 @@ trained and loaded by lib/variant_checkpoints.py.
 import torch
 import torch.nn as nn
 
-from gptlite import GPTlite
+from gptlite import GPTlite, generate
 from gptlite_kvcache import Block_KVCache, DynamicKVCache, KVCache, MultiHeadAttention_KVCache, layer_cache
 
 
@@ -95,17 +95,8 @@ class GPTlite_RoPE(GPTlite):
         return self.fc_out(self.ln(x)), cache if isinstance(kv_cache, KVCache) else cache.layers  # [B, T, vocab]
 
 
-@torch.inference_mode()
-def sample(model, prompt, n_tokens):
-    """Greedy, re-encoding the last seqlen tokens (no cache): the printed sample of the command line."""
-    tokens = prompt
-    for _ in range(n_tokens):
-        logits, _ = model(tokens[:, -model.seqlen:])
-        tokens = torch.cat([tokens, logits[:, -1:].argmax(dim=-1)], dim=1)
-    return tokens
-
-
 if __name__ == "__main__":  # the command line is the CLI module's; the training, lib/variant_checkpoints.py's
     from lib import harness, variant_checkpoints
     harness.run(lambda: harness.training_cli("Train the rotary-position GPTlite and print a sample.",
-                                             variant_checkpoints.train_rope, sample, 200))
+                                             variant_checkpoints.train_rope,
+                                             lambda m, p, n: generate(m, p, n, m.seqlen), 200))

@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 import inference_utils as iu
+from gptlite import decode_loop
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_linear import GPTlite_Linear, linear_config
 from gptlite_mla import max_latent
@@ -116,10 +117,12 @@ def long_softmax(model, context):
 def decode_steps(model, cache, token, n_tokens, max_seqlen=None):
     """n_tokens greedy steps on `cache` (left as it was: every step returns a new cache)."""
     kwargs = {} if max_seqlen is None else dict(max_seqlen=max_seqlen)
-    for _ in range(n_tokens):
+
+    def step(token):
+        nonlocal cache
         logits, cache = model(token, cache, **kwargs)
-        token = logits[:, -1].argmax(-1, keepdim=True)
-    return token
+        return logits[:, -1]  # [B, vocab]
+    return decode_loop(step, token, n_tokens)[:, -1:] if n_tokens else token
 
 
 @torch.inference_mode()

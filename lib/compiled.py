@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import inference_utils as iu
+from gptlite import decode_loop
 
 # The compile variants: name -> (torch.compile's mode, Inductor config patches, needs CUDA).
 # AOTInductor is not here: it is not torch.compile but export + an ahead-of-time package (aoti_package).
@@ -65,13 +66,14 @@ def generate_static(step, prompt, n_tokens, keys, values):
     """Greedy decoding through `step` (StaticStep, compiled or not, or an AOTI runner taking the same
     arguments) on the preallocated buffers, overwritten from slot 0. prompt [B, P]; the prompt and the
     new tokens must fit the buffers. Returns [B, P + n_tokens], as generate_kvcache."""
-    P, device = prompt.shape[1], prompt.device
-    token = step(prompt, torch.arange(P, device=device), keys, values)  # [B, 1]
-    tokens = [prompt, token]
-    for t in range(P, P + n_tokens - 1):
-        token = step(token, torch.tensor([t], device=device), keys, values)
-        tokens.append(token)
-    return torch.cat(tokens, dim=1)
+    position = 0  # of the first token not yet in the buffers
+
+    def step_at(tokens):  # [B, T] -> the next token [B, 1]: the step samples itself (greedy, in its graph)
+        nonlocal position
+        positions = torch.arange(position, position + tokens.shape[1], device=tokens.device)
+        position += tokens.shape[1]
+        return step(tokens, positions, keys, values)
+    return torch.cat([prompt, decode_loop(step_at, prompt, n_tokens, sample=lambda token: token)], dim=1)
 
 
 def compile_step(model, mode):

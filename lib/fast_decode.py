@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from gptlite import GPTlite, Block, MultiHeadAttention, FeedForward, check_generation_args
+from gptlite import GPTlite, Block, MultiHeadAttention, FeedForward, check_generation_args, decode_loop, window_step
 from gptlite_kvcache import (GPTlite_KVCache, Block_KVCache, KVCache, MultiHeadAttention_KVCache, StaticKVCache,
                              cached_heads, kv_cache_view)
 from gptlite_gqa import GPTlite_GQA, MultiHeadAttention_GQA
@@ -352,10 +352,7 @@ def generate_no_cache(model, prompt, n_tokens, seqlen):
     """gptlite.generate on the C++ pass: every step re-encodes the last seqlen tokens from an empty cache
     (the baseline of a KV cache on the fast path). Returns [B, P + n_tokens], as generate. model: as
     generate_fast's."""
-    native, seq = native_view(model), prompt
+    native = native_view(model)
     check_generation_args(native, prompt, n_tokens, seqlen)
-    for _ in range(n_tokens):
-        window = seq[:, -seqlen:]  # [B, <= seqlen]
-        logits = native.forward_cache(window, StaticKVCache.for_model(model, prompt.shape[0], seqlen))
-        seq = torch.cat([seq, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
-    return seq
+    forward = lambda window: native.forward_cache(window, StaticKVCache.for_model(model, prompt.shape[0], seqlen))  # noqa: E731
+    return torch.cat([prompt, decode_loop(window_step(forward, seqlen), prompt, n_tokens)], dim=1)

@@ -18,6 +18,7 @@ import glob
 import torch
 
 import inference_utils as iu
+from gptlite import decode_loop
 from gptlite_kvcache import DynamicKVCache, StaticKVCache, cached_heads
 from gptlite_mla import GPTlite_MLA
 from lib import fast_decode, harness
@@ -121,11 +122,13 @@ def decode_steps(model, cache, context, batch_size):
     @torch.inference_mode()
     def step(n):
         cache.truncate(context)
-        token = torch.zeros(batch_size, 1, dtype=torch.long)
-        for _ in range(n):
-            logits = model.forward_cache(token, cache)  # [B, 1, vocab]
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)
-        return logits
+        last = []
+
+        def forward(token):  # gptlite.decode_loop's step, the last logits kept
+            last[:] = [model.forward_cache(token, cache)]  # [B, 1, vocab]
+            return last[0][:, -1]
+        decode_loop(forward, torch.zeros(batch_size, 1, dtype=torch.long), n)
+        return last[0]
     return step
 
 

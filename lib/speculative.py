@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import inference_utils as iu
-from gptlite import check_generation_args
+from gptlite import check_generation_args, decode_loop
 from gptlite_kvcache import StaticKVCache, kv_cache_view
 from lib.draft_heads import head_logits
 from lib.training import logits_of
@@ -180,10 +180,9 @@ def plain_generate(target, prompt, n_tokens, temperature=None, generator=None):
     check_speculation_args(target, prompt, n_tokens, None, temperature)
     target = kv_cache_view(target)
     cache, _, token = prefill_target(target, prompt, temperature, generator)
-    tokens = [prompt, token[:, None]]
-    for _ in range(n_tokens - 1):
-        tokens.append(draw(target.forward_cache(tokens[-1], cache)[:, -1], temperature, generator)[0][:, None])
-    return torch.cat(tokens, dim=1)
+    new = decode_loop(lambda t: target.forward_cache(t, cache)[:, -1], token[:, None], n_tokens - 1,
+                      sample=lambda logits: draw(logits, temperature, generator)[0][:, None])
+    return torch.cat([prompt, token[:, None], new], dim=1)
 
 
 def expected_tau(alpha, gamma):
@@ -223,17 +222,16 @@ class ModelDrafter:
         self.cache = StaticKVCache.for_model(self.model, prompt.shape[0])
 
     def propose(self, seq, n, g, temperature, generator):
-        tokens, dists = [], []
-        if g:
-            new = seq[:, self.cache.n_tokens:n]  # what it has not seen, the pending token last
-            for _ in range(g):
-                logits = self.model.forward_cache(new, self.cache)[:, -1]  # [B, V]
-                token, q = draw(logits, temperature, generator)
-                tokens.append(token)
-                dists.append(q)
-                new = token[:, None]
+        dists = []
+
+        def sample(logits):  # [B, V] -> [B, 1], its distribution kept for the acceptance rule
+            token, q = draw(logits, temperature, generator)
+            dists.append(q)
+            return token[:, None]
+        new = seq[:, self.cache.n_tokens:n]  # what it has not seen, the pending token last
+        draft = decode_loop(lambda t: self.model.forward_cache(t, self.cache)[:, -1], new, g, sample)  # [B, g]
         # the last draft token was never fed: it is fed next round if kept
-        return stack_draft(tokens, dists, seq.shape[0], seq.device)
+        return stack_draft(list(draft.unbind(1)), dists, seq.shape[0], seq.device)
 
     def commit(self, n, m, hidden):
         self.cache.truncate(min(self.cache.n_tokens, n + m))
@@ -344,19 +342,22 @@ class FeatureDrafter:
         self.cache = self.head.new_cache(B, self.target.seqlen)
 
     def propose(self, seq, n, g, temperature, generator):
-        tokens, dists = [], []
+        dists, fed = [], self.cache.n_tokens  # positions 0 .. n-2 can be built from true states
+        states = self.states[:, fed:n - 1]  # the states under the tokens fed first: the target's, true
+
+        def step(tokens):  # the head's state of the next position, read by the target's head: [B, V]
+            nonlocal states
+            states = self.head.step(tokens, states, self.target, self.cache)[:, -1:]  # then its own prediction
+            return head_logits(self.target, states[:, -1])
+
+        def sample(logits):
+            token, q = draw(logits, temperature, generator)
+            dists.append(q)
+            return token[:, None]
+        draft = decode_loop(step, seq[:, fed + 1:n], g, sample)  # [B, g]
         if g:
-            fed = self.cache.n_tokens  # positions 0 .. n-2 can be built from true states
-            state = self.head.step(seq[:, fed + 1:n], self.states[:, fed:n - 1], self.target, self.cache)
-            for i in range(g):
-                logits = head_logits(self.target, state[:, -1])  # [B, V]
-                token, q = draw(logits, temperature, generator)
-                tokens.append(token)
-                dists.append(q)
-                if i + 1 < g:
-                    state = self.head.step(token[:, None], state[:, -1:], self.target, self.cache)
             self.cache.truncate(n - 1)  # forget the positions built from predicted states
-        return stack_draft(tokens, dists, seq.shape[0], seq.device)
+        return stack_draft(list(draft.unbind(1)), dists, seq.shape[0], seq.device)
 
     def commit(self, n, m, hidden):
         self.states[:, n - 1:n + m] = hidden  # the pending token's and the kept drafts' true states

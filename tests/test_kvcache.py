@@ -249,3 +249,34 @@ def test_kv_cache_view_is_the_gptlites_cached_forward_pass_on_its_own_weights(ti
     obj = DynamicKVCache(cache, max_seqlen=SEQLEN)
     _, returned = cached(x[:, 9:10], kv_cache=obj)
     assert returned is obj and len(obj) == 10 and cache[0][0].shape[2] == 9
+
+
+# ----------------------------------------------------------------------------------------------------
+# The one decode loop (gptlite.decode_loop) that every generation goes through.
+
+def test_the_decode_loop_feeds_the_prompt_first_then_each_chosen_token():
+    from gptlite import decode_loop
+    seen = []
+
+    def step(tokens):  # logits that make token t + 1 the argmax after token t
+        seen.append(tokens.clone())
+        return torch.nn.functional.one_hot(tokens[:, -1] + 1, 20).float()  # [B, vocab]
+    prompt = torch.tensor([[3, 4], [7, 8]])
+    new = decode_loop(step, prompt, 3)
+    assert torch.equal(new, torch.tensor([[5, 6, 7], [9, 10, 11]]))
+    assert torch.equal(seen[0], prompt) and [t.tolist() for t in seen[1:]] == [[[5], [9]], [[6], [10]]]
+    assert decode_loop(step, prompt, 0).shape == (2, 0)
+    assert torch.equal(decode_loop(step, prompt, 2, sample=lambda logits: logits.argmax(-1, keepdim=True) * 0),
+                       torch.zeros(2, 2, dtype=torch.long))  # the sampler's choice is what is fed and returned
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, SEQLEN + 6])  # past seqlen, the window slides
+def test_generate_equals_an_explicit_loop_of_full_forward_passes(tiny_models, n_tokens):
+    base, cached = tiny_models
+    prompt = random_tokens(2, 5)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(n_tokens):  # the reference, written out: the whole window re-encoded, argmax
+            tokens = torch.cat([tokens, base(tokens[:, -SEQLEN:])[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generate(base, prompt, n_tokens, SEQLEN), tokens)
+    assert torch.equal(generate(cached, prompt, n_tokens, SEQLEN), tokens)  # a model returning (logits, cache)
