@@ -259,6 +259,7 @@ class Block_KVCache(Block):
         self.mha = MultiHeadAttention_KVCache(d_model, n_heads, d_head, dropout_p)
 
     def forward(self, x, kv_cache=None, max_seqlen=None, layer=0):
+        # max_seqlen goes to the attention as it is (a variant's block passes its own there: RoPE's tables)
         out, kv_cache = self.mha(self.ln1(x), kv_cache, max_seqlen, layer)
         x = x + out
         x = x + self.ffwd(self.ln2(x))

@@ -51,15 +51,12 @@ class MultiHeadAttention_RoPE(MultiHeadAttention_KVCache):
 
 
 class Block_RoPE(Block_KVCache):
+    """Block_KVCache with the rotary attention; its forward is Block_KVCache's, called as block(x, cache, rope,
+    layer): the third argument reaches the attention as it is, here the rotary tables."""
+
     def __init__(self, d_model, n_heads, d_head, dropout_p, d_ff=None):
         super().__init__(d_model, n_heads, d_head, dropout_p, d_ff)
         self.mha = MultiHeadAttention_RoPE(d_model, n_heads, d_head, dropout_p)
-
-    def forward(self, x, kv_cache=None, rope=None, layer=0):
-        out, kv_cache = self.mha(self.ln1(x), kv_cache, rope, layer)
-        x = x + out
-        x = x + self.ffwd(self.ln2(x))
-        return x, kv_cache
 
 
 class GPTlite_RoPE(GPTlite):

@@ -172,9 +172,8 @@ def headline(rows, world_size, backend):
 
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
-    parser = harness.script_parser(__doc__)
+    parser = distributed.script_parser(__doc__, 2, "main_expert_parallel.py")
     add = parser.add_argument
-    distributed.add_rank_flags(parser, 2, "main_expert_parallel.py")
     add("--batch-sizes", type=harness.int_at_least(1), nargs="+", default=[2, 64],
         help="whole batches decoded (over all ranks: each must split evenly over them)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=5)
@@ -201,10 +200,8 @@ def parse_args(argv):
     return (args, *distributed.setup(args, parser, check_args))
 
 
-def main(argv=None):
-    args, preset, device, data = parse_args(argv)  # every flag checked here, then torchrun starts the N ranks
-    return distributed.run_ranks(__file__, argv, args, device, "lower --batch-sizes",
-                                 lambda d: experiment(args, preset, d, data))
+def main(argv=None):  # every flag checked first, then torchrun starts the ranks, each running experiment
+    return distributed.run_ranks(__file__, argv, parse_args, experiment, "lower --batch-sizes")
 
 
 def experiment(args, preset, d, data):
@@ -234,9 +231,8 @@ def experiment(args, preset, d, data):
         "decode step spent in the collectives (EP: its 4 all-to-alls per layer, the counts, tokens, queue keys and "
         "outputs; TP: one all-reduce per layer), waiting for the slower rank included; sent_KB_per_token: bytes rank 0 "
         "sends to other ranks per token of its rows (TP: the all-reduce's payload, of which a ring sends 2(N-1)/N)"]
-    harness.report(args, "main_expert_parallel.py", preset, d.device, rows, headline(rows, N, d.backend),
-                   summary=summary, plot=lambda: plot_results(rows, preset, d.device), world_size=N,
-                   backend=d.backend, threads=T)
+    distributed.report(args, "main_expert_parallel.py", preset, d, rows, headline(rows, N, d.backend), summary,
+                       lambda: plot_results(rows, preset, d.device))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,6 @@ def parse_args(argv):
     args = parser.parse_args(argv)
 
     def check_args(preset):
-        harness.check_paths(parser, args, harness.get_device(args.device))
         if args.save_groups is not None and args.save_groups not in group_counts(preset.n_heads):
             parser.error(f"--save-groups must divide n_heads={preset.n_heads}: one of {group_counts(preset.n_heads)}")
         harness.check_generation_sizes(parser, preset, args.batch_size, args.prompt_len, args.n_tokens)

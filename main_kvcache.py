@@ -41,7 +41,6 @@ def parse_args(argv):
 
 def check_args(args, parser, preset):
     harness.check_sweep_flags(parser, args, "the TPOT sweep")
-    harness.check_paths(parser, args, harness.get_device(args.device))
     batch = max(args.batch_sizes)  # no cache: a forward over the window; a cache: the window's keys and values
     harness.check_fits(parser, "--batch-sizes", 2 * serving.forward_bytes(preset, batch),
                        f"a batch of {batch} through the model")

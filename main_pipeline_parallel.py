@@ -137,9 +137,8 @@ def headline(rows, world_size, backend):
 
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
-    parser = harness.script_parser(__doc__)
+    parser = distributed.script_parser(__doc__, 2, "main_pipeline_parallel.py")
     add = parser.add_argument
-    distributed.add_rank_flags(parser, 2, "main_pipeline_parallel.py")
     add("--micro-batches", type=harness.int_at_least(1), nargs="+", default=[1, 2, 4, 8],
         help="numbers of micro-batches m the batch is cut into")
     harness.add_generation_flags(parser, batch_size=32, prompt_len=32, n_tokens=32, repeats=5)
@@ -167,10 +166,8 @@ def parse_args(argv):
     return (args, *distributed.setup(args, parser, check_args))
 
 
-def main(argv=None):
-    args, preset, device, data = parse_args(argv)  # every flag checked here, then torchrun starts the N ranks
-    return distributed.run_ranks(__file__, argv, args, device, "lower --batch-size",
-                                 lambda d: experiment(args, preset, d, data))
+def main(argv=None):  # every flag checked first, then torchrun starts the ranks, each running experiment
+    return distributed.run_ranks(__file__, argv, parse_args, experiment, "lower --batch-size")
 
 
 def experiment(args, preset, d, data):
@@ -200,9 +197,8 @@ def experiment(args, preset, d, data):
         "that a stage's compute was idle, mean over the stages; theory: GPipe's (P-1)/(m+P-1) for one pass (the "
         "prefill), 1 - m/max(m, P) for steady decoding (fewer micro-batches than stages leave stages idle)",
         "sent_KB_per_token: every stage's sends (activations forward, the token back to stage 0) per generated token"]
-    harness.report(args, "main_pipeline_parallel.py", preset, d.device, rows, headline(rows, N, d.backend),
-                   summary=summary, plot=lambda: plot_results(rows, preset, d.device), world_size=N,
-                   backend=d.backend, threads=T)
+    distributed.report(args, "main_pipeline_parallel.py", preset, d, rows, headline(rows, N, d.backend), summary,
+                       lambda: plot_results(rows, preset, d.device))
 
 
 if __name__ == "__main__":

@@ -449,7 +449,6 @@ def parse_args(argv):
     args = parser.parse_args(argv)
 
     def check_args(preset):
-        harness.check_paths(parser, args, harness.get_device(args.device))
         for p in (preset, PRESETS[SHAPE]):  # the trained model's widths and the timed shape's
             for width in (p.d_model, p.n_heads * p.d_head, 4 * p.d_model):
                 try:

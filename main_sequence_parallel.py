@@ -260,9 +260,8 @@ def headline(rows, world, backend):
 
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
-    parser = harness.script_parser(__doc__)
+    parser = distributed.script_parser(__doc__, 2, "main_sequence_parallel.py")
     add = parser.add_argument
-    distributed.add_rank_flags(parser, 2, "main_sequence_parallel.py")
     add("--seq-lens", type=harness.int_at_least(1), nargs="+", default=[8192, 16384, 32768],
         help="prompt lengths of the attention benchmark (tokens)")
     add("--check-len", type=harness.int_at_least(1), default=1000,
@@ -290,10 +289,8 @@ def parse_args(argv):
     return (args, *distributed.setup(args, parser, check_args))
 
 
-def main(argv=None):
-    args, preset, device, data = parse_args(argv)  # every flag checked here, then torchrun starts the P ranks
-    return distributed.run_ranks(__file__, argv, args, device, "lower --seq-lens or --check-len",
-                                 lambda d: experiment(args, preset, d, data))
+def main(argv=None):  # every flag checked first, then torchrun starts the ranks, each running experiment
+    return distributed.run_ranks(__file__, argv, parse_args, experiment, "lower --seq-lens or --check-len")
 
 
 def experiment(args, preset, d, data):
@@ -320,9 +317,9 @@ def experiment(args, preset, d, data):
         "blocks: attention blocks each rank computes (rank 0/1/...; a block of keys entirely in the future is "
         "skipped); work_imbalance: query-key pairs attended, max over mean of the ranks (1.00: balanced); "
         "time_imbalance: the same for the seconds inside the attention kernel; exact: the variant passed every check"]
-    harness.report(args, "main_sequence_parallel.py", preset, d.device, rows, headline(rows, P, d.backend),
-                   summary=summary, plot=lambda: plot_results(rows, preset, d.device, d.backend), world_size=P,
-                   backend=d.backend, threads=args.threads, checks={line: bool(ok) for line, ok in results.items()})
+    distributed.report(args, "main_sequence_parallel.py", preset, d, rows, headline(rows, P, d.backend), summary,
+                       lambda: plot_results(rows, preset, d.device, d.backend),
+                       checks={line: bool(ok) for line, ok in results.items()})
 
 
 if __name__ == "__main__":

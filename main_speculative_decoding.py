@@ -305,7 +305,6 @@ def parse_args(argv):
         harness.check_applies(parser, args, flags, needs, bool(drafts & names))
 
     def check_args(preset):
-        harness.check_paths(parser, args, harness.get_device(args.device))
         if len(set(args.gammas)) != len(args.gammas) or args.gammas != sorted(args.gammas):
             parser.error(f"--gammas must be increasing without repeats, got {args.gammas}")
         if len(set(args.batch_sizes)) != len(args.batch_sizes):

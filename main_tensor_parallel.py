@@ -146,8 +146,7 @@ def plot_results(rows, preset, device):
 
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data); args.world: the number of ranks."""
-    parser = harness.script_parser(__doc__)
-    distributed.add_rank_flags(parser, 1, "main_tensor_parallel.py")
+    parser = distributed.script_parser(__doc__, 1, "main_tensor_parallel.py")
     harness.add_generation_flags(parser, batch_size=64, prompt_len=64, n_tokens=32, repeats=5, least_tokens=1)
     args = distributed.parse_ranks(parser, argv, 1)
     world = args.world
@@ -187,10 +186,9 @@ def headline(rows, world, backend, threads, diff):
                        f"batch-1 step; max |logits diff| {diff:.0e}, identical tokens")
 
 
-def main(argv=None):
-    args, preset, device, data = parse_args(argv)  # every flag checked here, then torchrun starts the N ranks
-    hint = "lower --batch-size (its KV cache and prompts), or run fewer ranks per machine"
-    return distributed.run_ranks(__file__, argv, args, device, hint, lambda d: experiment(args, preset, d, data))
+def main(argv=None):  # every flag checked first, then torchrun starts the ranks, each running experiment
+    return distributed.run_ranks(__file__, argv, parse_args, experiment,
+                                 "lower --batch-size (its KV cache and prompts), or run fewer ranks per machine")
 
 
 def experiment(args, preset, d, data):
@@ -221,9 +219,8 @@ def experiment(args, preset, d, data):
                "slower rank included); ar_KB_per_token: the all-reduce payload per token (2 per block, d_model floats each)"]
     summary += speedups(rows) if N > 1 else [
         "one process: launch N ranks with `torchrun --nproc-per-node N main_tensor_parallel.py` (or --ranks N)"]
-    harness.report(args, "main_tensor_parallel.py", preset, d.device, rows, headline(rows, N, d.backend, T, diff),
-                   summary=summary, plot=lambda: plot_results(rows, preset, d.device), world_size=N,
-                   backend=d.backend, threads=T, logits_max_diff=diff, tokens_identical=same)
+    distributed.report(args, "main_tensor_parallel.py", preset, d, rows, headline(rows, N, d.backend, T, diff), summary,
+                       lambda: plot_results(rows, preset, d.device), logits_max_diff=diff, tokens_identical=same)
 
 
 if __name__ == "__main__":

@@ -405,19 +405,34 @@ def rank_group(device, timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
     shutdown()
 
 
-def run_ranks(script, argv, args, device, memory_hint, experiment):
-    """The main of a multi-process script once every flag is checked: with args.world > 1 and not yet under
-    torchrun, start the ranks (relaunch); on each rank, join the group (rank_group), take args.threads threads
-    and run experiment(d), d the rank's Dist."""
+def run_ranks(script, argv, parse_args, experiment, memory_hint):
+    """The main of a multi-process script: every flag checked first, parse_args(argv) -> (args, preset, device,
+    data); then with args.world > 1 and not yet under torchrun, start the ranks (relaunch); on each rank, join
+    the group (rank_group), take args.threads threads and run experiment(args, preset, d, data), d the rank's
+    Dist."""
+    args, preset, device, data = parse_args(argv)
     if args.world > 1 and not launched():
         return relaunch(script, argv, args.world)
     with rank_group(device, args.timeout, memory_hint=memory_hint) as d:
         torch.set_num_threads(args.threads)
-        experiment(d)
+        experiment(args, preset, d, data)
+
+
+def report(args, script, preset, d, rows, headline, summary, plot, **extra):
+    """harness.report of a rank's rows, its JSON with the world it ran on (world_size, backend, threads)."""
+    harness.report(args, script, preset, d.device, rows, headline, summary=summary, plot=plot,
+                   world_size=d.world_size, backend=d.backend, threads=args.threads, **extra)
 
 
 # ----------------------------------------------------------------------------------------------------
 # The flags of a multi-process script (main_tensor_parallel.py and its kin).
+
+def script_parser(doc, ranks, script):
+    """harness.script_parser with the rank flags (add_rank_flags)."""
+    parser = harness.script_parser(doc)
+    add_rank_flags(parser, ranks, script)
+    return parser
+
 
 def add_rank_flags(parser, ranks, script):
     """--ranks (default `ranks`), --threads and --timeout."""

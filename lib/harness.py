@@ -170,6 +170,8 @@ def setup(args, parser, check_args=None):
         preset = dataclasses.replace(preset, iters=args.train_iters)
     if getattr(args, "prompt_len", None) is not None and args.prompt_len > preset.seqlen:
         parser.error(f"--prompt-len must be at most the model's seqlen={preset.seqlen}, got {args.prompt_len}")
+    if hasattr(args, "paths"):  # the scripts timed on both decode paths (add_paths_flag)
+        check_paths(parser, args, device)
     if check_args is not None:
         check_args(preset)
     print(f"preset: {preset.name} ({'from --preset' if args.preset else 'default for ' + device.type}), "
@@ -198,7 +200,7 @@ def add_paths_flag(parser):
 
 
 def check_paths(parser, args, device):
-    """--paths checked before any work; its default filled in."""
+    """--paths checked before any work (by setup, before the script's own checks); its default filled in."""
     args.paths = args.paths or (list(PATHS) if device.type == "cpu" else ["eager"])
     if len(set(args.paths)) != len(args.paths):
         parser.error(f"--paths repeats a value: {args.paths}")

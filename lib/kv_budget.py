@@ -133,22 +133,12 @@ class BudgetCache(KVCache):
         if self.stats is not None and T == 1:
             self.stats.step(self.n_read)
 
-    # the statistics as main_sparse_attention reads them (BudgetCache(n_layers, n_first=...))
-    @property
-    def first_mass(self):
-        return self.stats.first_mass
-
-    @property
-    def first_uniform(self):
-        return self.stats.first_uniform
-
-    @property
-    def n_steps(self):
-        return self.stats.n_steps
-
-    @property
-    def n_first(self):
-        return self.stats.n_first
+    def __getattr__(self, name):
+        """The statistics as main_sparse_attention reads them (BudgetCache(n_layers, n_first=...)): first_mass,
+        first_uniform, n_steps, n_first are the stats' own."""
+        if name in ("first_mass", "first_uniform", "n_steps", "n_first"):
+            return getattr(self.__dict__.get("stats"), name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
 def gather(kv, idx):
