@@ -422,10 +422,19 @@ def checkpoint_rows(folder):
 
 
 def record_checkpoints(results_dir, fresh):
-    """results/checkpoints.json: the checkpoints of this run (after its scripts), rendered by checkpoints_block."""
+    """results/checkpoints.json: the checkpoints after this run's scripts, rendered by checkpoints_block. The
+    record of earlier runs keeps its rows of the files this machine lacks (a partial run, --only, on a clone
+    that has trained only what its scripts used); a file here replaces its row."""
+    path = results_dir / "checkpoints.json"
+    rows = {row["checkpoint"]: row for row in checkpoint_rows(ROOT / "checkpoints")}
+    try:
+        earlier = [] if fresh or not path.is_file() else json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ReproduceError(f"{path} is not a readable checkpoints record ({e}); delete it and rerun") from None
+    rows = {row["checkpoint"]: row for row in earlier} | rows
     record = {"date": datetime.date.today().isoformat(), "fresh": fresh, "machine": machine("cpu"),
-              "rows": checkpoint_rows(ROOT / "checkpoints")}
-    files.atomic_write_bytes((json.dumps(record, indent=2) + "\n").encode(), results_dir / "checkpoints.json")
+              "rows": [rows[name] for name in sorted(rows)]}
+    files.atomic_write_bytes((json.dumps(record, indent=2) + "\n").encode(), path)
 
 
 def checkpoints_block(record):
@@ -483,7 +492,11 @@ def render(runs, pages, results_dir, problems, device="cpu", busy_ok=True):
                 raise ReproduceError(f"no results at {path}: run it first (without --skip-run)")
             result = load_result(path)
             table = table_block(result)
-            png = (results_dir / f"{run.name}.png").read_bytes() if run.plot else None
+            png = results_dir / f"{run.name}.png"  # not kept in git: a clone renders with the page's own image
+            png = png.read_bytes() if run.plot and png.is_file() else None
+            if run.plot and png is None and not (pages / plot_path(run, result)).is_file():
+                raise ReproduceError(f"no plot at {results_dir / f'{run.name}.png'} nor {pages / plot_path(run, result)}: "
+                                     "rerun the script (without --skip-run)")
         except (ReproduceError, OSError, KeyError, TypeError, ValueError) as e:  # the block stays as it was
             problems[run.name] = f"{type(e).__name__}: {e}"
             continue
@@ -492,7 +505,8 @@ def render(runs, pages, results_dir, problems, device="cpu", busy_ok=True):
             continue
         edit(run.page, run.name, "table", table)
         if run.plot:
-            files.atomic_write_bytes(png, pages / plot_path(run, result))
+            if png is not None:
+                files.atomic_write_bytes(png, pages / plot_path(run, result))
             edit(run.page, run.name, "plot", plot_block(run, result))
     results = {run.name: results_dir / f"{run.name}.json" for run in RUNS}  # a failed run's last good one
     if device != "cpu":  # a GPU's one-glance table holds the runs it made (a GPU run plans a part of RUNS)
@@ -506,9 +520,14 @@ def render(runs, pages, results_dir, problems, device="cpu", busy_ok=True):
         except (ReproduceError, OSError, KeyError, TypeError, ValueError) as e:  # reported, README untouched
             problems["one-glance table"] = f"{SUMMARY[0]} left as it was: {type(e).__name__}: {e}"
     attention = {name: path for name, path in results.items() if path.is_file() and name not in problems}
+    lacking = sorted({run.name for run in RUNS if run.script in attention_summary.ORDER and run.name not in attention})
     try:
-        blocks = attention_blocks({name: load_result(path) for name, path in attention.items()})
-        if blocks is None:
+        blocks = None if device == "cpu" and lacking else attention_blocks(
+            {name: load_result(path) for name, path in attention.items()})
+        if device == "cpu" and lacking:  # a partial summary would drop the rows of the runs it lacks
+            print(f"the summary of attention methods ({ATTENTION[0]}) is left as it was: no results of "
+                  f"{', '.join(lacking)}")
+        elif blocks is None:
             print(f"the summary of attention methods ({ATTENTION[0]}) is left as it was: no results hold its rows")
         else:
             edit(ATTENTION[0], ATTENTION[1], "table", blocks[0])

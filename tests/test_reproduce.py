@@ -438,3 +438,54 @@ def test_the_gpu_run_trains_then_runs_what_fits_and_stops_at_the_budget(fake_rep
     page = (fake_repo / "docs" / "page.md").read_text()
     assert "<!-- reproduce:ok:table:cuda -->" in page and "<!-- reproduce:bad:table:cuda -->" not in page
     assert "<!-- reproduce:summary:table:cuda -->" in (fake_repo / "README.md").read_text()  # the runs it made
+
+
+# ----------------------------------------------------------------------------------------------------
+# Results as data: a partial run never shrinks the summaries, and the committed results are the pages.
+
+def test_the_attention_summary_waits_for_every_run_that_holds_its_rows(fake_repo, monkeypatch, capsys):
+    monkeypatch.setattr(reproduce.attention_summary, "ORDER", ("ok.py", "bad.py"))  # bad.py fails: no results
+    with pytest.raises(SystemExit):
+        reproduce.main([])
+    assert "summary of attention methods (docs/attention_summary.md) is left as it was: no results of bad" in \
+        capsys.readouterr().out
+    assert "old attention summary" in (fake_repo / "docs" / "attention_summary.md").read_text()
+    assert "old short attention summary" in (fake_repo / "README.md").read_text()
+
+
+def test_a_partial_run_keeps_the_checkpoints_it_did_not_see(fake_repo):
+    (fake_repo / "results").mkdir()
+    old = {"checkpoint": "checkpoints/elsewhere.pt", "sha256": "ab" * 32, "val_loss": 1.5, "train_seconds": 9,
+           "rebuild": "python gptlite.py"}
+    (fake_repo / "results" / "checkpoints.json").write_text(json.dumps({"date": "2026-01-01", "rows": [old]}))
+    (fake_repo / "checkpoints").mkdir()
+    reproduce.record_checkpoints(fake_repo / "results", fresh=False)
+    assert json.loads((fake_repo / "results" / "checkpoints.json").read_text())["rows"] == [old]
+    reproduce.record_checkpoints(fake_repo / "results", fresh=True)  # --fresh: only what this run trained
+    assert json.loads((fake_repo / "results" / "checkpoints.json").read_text())["rows"] == []
+
+
+def test_a_clone_without_the_results_plots_renders_with_the_pages_own(fake_repo):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    reproduce.main([])
+    before = (fake_repo / "docs" / "page.md").read_text()
+    (fake_repo / "results" / "ok.png").unlink()  # results/*.png are not committed
+    reproduce.main(["--skip-run"])
+    assert (fake_repo / "docs" / "page.md").read_text() == before
+    (fake_repo / "docs" / "ok_cpu.png").unlink()
+    with pytest.raises(SystemExit):
+        reproduce.main(["--skip-run"])  # neither image: the block stays, and the run says so
+
+
+COMMITTED = [run for run in reproduce.RUNS if (reproduce.ROOT / "results" / f"{run.name}.json").is_file()
+             and subprocess.run(["git", "ls-files", "--error-unmatch", f"results/{run.name}.json"], cwd=reproduce.ROOT,
+                                capture_output=True).returncode == 0]
+
+
+@pytest.mark.parametrize("run", COMMITTED, ids=lambda run: run.name)
+def test_each_committed_result_is_what_its_page_shows(run):
+    """The pages are rendered from results/: a committed run's table block is its JSON's table, as it stands."""
+    result = reproduce.load_result(reproduce.ROOT / "results" / f"{run.name}.json")
+    page = (reproduce.ROOT / run.page).read_text()
+    start, end = reproduce.markers(run.name, "table")
+    assert page[page.index(start) + len(start):page.index(end)].strip() == reproduce.table_block(result).strip()
