@@ -351,7 +351,7 @@ def collective_errors(timeout_s=DEFAULT_TIMEOUT_S, memory_hint=None):
         raise
 
 
-def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=None):
+def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=None, monitor_s=None):
     """Run `script` on `nproc` local processes with torchrun (`python -m torch.distributed.run
     --standalone`: a free port, no other setup) and return the CompletedProcess (stdout and stderr as
     text when `capture`, else they go to this process's). A run that exceeds `timeout_s` (None: no
@@ -360,8 +360,10 @@ def launch(script, args=(), nproc=2, timeout_s=120, capture=True, env=None, cwd=
     in `cwd` (default: this process's), so relative paths in `args` mean what they meant here. Each
     worker gets OMP_NUM_THREADS=1 unless `env` or the environment sets it. (torchrun's parser reads the
     script's flags too: a flag that abbreviates one of torchrun's, such as --nproc, is refused as
-    ambiguous.)"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    ambiguous.) monitor_s: how often torchrun looks at its workers (None: its default, a fraction of a second);
+    a longer one leaves a rank that outlives a dead peer the time to say so before torchrun ends it."""
+    monitor = ["--monitor-interval", str(monitor_s)] if monitor_s is not None else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *monitor,
            str(Path(script).resolve()), *map(str, args)]  # relative paths in `args` stay the caller's
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), LAUNCHER_PID: str(os.getpid())}
     try:

@@ -19,7 +19,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "main_pipeline_parallel.py"
 
 def run_worker(mode, tmp_path):
     out = tmp_path / "out.json"
-    result = distributed.launch(WORKER, [mode, out], nproc=2, timeout_s=300)
+    # a dead rank: torchrun looks at its workers every 8 s, not every fraction of one, so that it does not end
+    # rank 0 before rank 0, on a loaded machine, has said that its peer died
+    result = distributed.launch(WORKER, [mode, out], nproc=2, timeout_s=300, monitor_s=8 if mode == "die" else None)
     return result, (json.loads(out.read_text()) if out.exists() else None)
 
 
