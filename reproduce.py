@@ -1,6 +1,6 @@
 """One command reproduces the results pages: every script's default run, then every table and plot.
 
-    python reproduce.py                         # every script in turn (about 25 minutes on 2 CPU cores)
+    python reproduce.py                         # every script in turn (about an hour on 2 CPU cores)
     python reproduce.py --quick                 # a smoke run in a few minutes, rendered into results/quick/
     python reproduce.py --only main_gqa.py      # rerun some scripts; the other blocks stay as they are
     python reproduce.py --skip-run              # re-render the pages from the results/ JSON of the last run

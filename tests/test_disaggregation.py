@@ -125,7 +125,8 @@ def test_the_live_clock_admits_a_request_only_once_its_arrival_has_passed():
 
 def run_worker(mode, tmp_path, timeout_s=300):
     out = tmp_path / "out.json"
-    result = distributed.launch(WORKER, [mode, out], nproc=2, timeout_s=timeout_s)
+    # a dead rank: torchrun looks at its workers every 8 s, so that the survivor can report before it is ended
+    result = distributed.launch(WORKER, [mode, out], nproc=2, timeout_s=timeout_s, monitor_s=8 if mode == "die" else None)
     return result, (json.loads(out.read_text()) if out.exists() else None)
 
 

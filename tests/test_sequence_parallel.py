@@ -157,7 +157,8 @@ def stray_processes(marker):
 @pytest.mark.parametrize("mode, cause", [("die", "a peer process died"), ("hang", "did not answer within 3 s")])
 def test_a_rank_that_dies_or_goes_silent_mid_ring_is_a_clear_error_without_stray_processes(mode, cause, tmp_path):
     out = tmp_path / "out.json"
-    result = distributed.launch(WORKER, [mode, out], nproc=3, timeout_s=120)  # past it: a GPTliteError, failing
+    # past 120 s: a GPTliteError, failing; a dead rank: torchrun looks every 8 s, so that rank 0 reports first
+    result = distributed.launch(WORKER, [mode, out], nproc=3, timeout_s=120, monitor_s=8 if mode == "die" else None)
     assert result.returncode != 0 and not out.exists()
     assert "error: rank 0: a torch.distributed call failed" in result.stderr and cause in result.stderr
     if mode == "die":
