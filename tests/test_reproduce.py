@@ -489,3 +489,13 @@ def test_each_committed_result_is_what_its_page_shows(run):
     page = (reproduce.ROOT / run.page).read_text()
     start, end = reproduce.markers(run.name, "table")
     assert page[page.index(start) + len(start):page.index(end)].strip() == reproduce.table_block(result).strip()
+
+
+def test_a_first_partial_run_leaves_the_checkpoints_table_as_it_was(fake_repo, capsys):
+    (fake_repo / "bad.py").write_text(OK_SCRIPT)
+    reproduce.main(["--only", "ok"])
+    assert "checkpoints table of README.md is left as it was: a partial run" in capsys.readouterr().out
+    assert "old checkpoints" in (fake_repo / "README.md").read_text()
+    assert not (fake_repo / "results" / "checkpoints.json").exists()
+    reproduce.main([])  # every run: the record is made, and later partial runs add to it
+    assert (fake_repo / "results" / "checkpoints.json").is_file()
