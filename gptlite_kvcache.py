@@ -375,13 +375,13 @@ def decode_one_token(model, token, kv_cache, seqlen):
 
 @torch.inference_mode()
 def decode_n_tokens(model, token, kv_cache, n_tokens, seqlen):
-    """n_tokens steps of decode_one_token's forward pass through gptlite.decode_loop, greedy: the new tokens
-    (a list of [B, 1]) and the cache."""
+    """n_tokens calls of decode_one_token through gptlite.decode_loop (the step chooses its token, greedy: the
+    sampler passes it on): the new tokens (a list of [B, 1]) and the cache."""
     def step(token):
         nonlocal kv_cache
-        logits, kv_cache = model(token, kv_cache=kv_cache, max_seqlen=seqlen)
-        return logits[:, -1]  # [B, vocab]
-    tokens = decode_loop(step, token, n_tokens)
+        token, kv_cache = decode_one_token(model, token, kv_cache, seqlen)
+        return token
+    tokens = decode_loop(step, token, n_tokens, sample=lambda token: token)
     return list(tokens.split(1, dim=1)), kv_cache
 
 

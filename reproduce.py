@@ -766,14 +766,14 @@ def main(argv=None):
             if problem:
                 problems[run.name] = problem
                 tqdm.write(f"FAILED: {problem}")
-    partial_first = runs != RUNS and not (results_dir / "checkpoints.json").is_file()
-    if partial_first:  # a record of a few runs' checkpoints would shrink the README's table
-        print(f"the checkpoints table of {CHECKPOINTS[0]} is left as it was: a partial run, and no earlier record")
-    elif not args.skip_run and not args.quick:  # a smoke run uses no checkpoint
-        try:
-            record_checkpoints(results_dir, args.fresh)
-        except GPTliteError as e:  # a damaged file: no hash of it on the page
-            problems["checkpoints table"] = f"{CHECKPOINTS[0]} left as it was: {e}"
+    if not args.skip_run and not args.quick:  # a smoke run uses no checkpoint
+        if runs != RUNS and not (results_dir / "checkpoints.json").is_file():  # its few rows would shrink the table
+            print(f"the checkpoints table of {CHECKPOINTS[0]} is left as it was: a partial run, and no earlier record")
+        else:
+            try:
+                record_checkpoints(results_dir, args.fresh)
+            except GPTliteError as e:  # a damaged file: no hash of it on the page
+                problems["checkpoints table"] = f"{CHECKPOINTS[0]} left as it was: {e}"
     render(runs, pages, results_dir, problems, device, busy_ok)
     for run in runs:
         print(f"{run.name}: {'FAILED (block left as it was)' if run.name in problems else 'ok'}")

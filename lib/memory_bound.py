@@ -122,13 +122,14 @@ def decode_steps(model, cache, context, batch_size):
     @torch.inference_mode()
     def step(n):
         cache.truncate(context)
-        last = []
+        logits = None
 
         def forward(token):  # gptlite.decode_loop's step, the last logits kept
-            last[:] = [model.forward_cache(token, cache)]  # [B, 1, vocab]
-            return last[0][:, -1]
+            nonlocal logits
+            logits = model.forward_cache(token, cache)  # [B, 1, vocab]
+            return logits[:, -1]
         decode_loop(forward, torch.zeros(batch_size, 1, dtype=torch.long), n)
-        return last[0]
+        return logits
     return step
 
 
