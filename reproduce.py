@@ -24,7 +24,9 @@ Each script words its own headline (the README's one-glance row) and extra table
 knows no variant of any script. A GPU's results (--device cuda) go to results/cuda/ and into blocks of
 their own, `<!-- reproduce:<run>:<part>:cuda -->`, made beside the CPU's when a page lacks them: never over
 the CPU figures. On a busy machine (load average above 1.5 per core) nothing replaces the repository's
-pages unless --busy-ok says so: its timings would be distorted.
+pages unless --busy-ok says so: its timings would be distorted. A run for the pages starts each script once
+the load average is below 1 (the previous script's load decays in about a minute; at most 5 minutes' wait),
+and each caption shows the load at its script's start.
 
 After the scripts, the checkpoints they used (checkpoints/*.pt) are listed with the sha256 of their weights
 (saved in each file, verified when it is read) in results/checkpoints.json and the README's block
@@ -183,6 +185,8 @@ CHECKPOINTS = ("README.md", "checkpoints")  # the weights behind the figures: <!
 ATTENTION = ("docs/attention_summary.md", "attention_summary")  # every cell with its figure
 ATTENTION_SHORT = ("README.md", "attention_summary")  # the short version
 BUSY_LOAD = 1.5  # load average per core above which a run's timings do not replace the pages' figures
+QUIET_LOAD = 1.0  # each script of a run for the pages starts once the load average is below this (the last
+QUIET_WAIT_S = 300  # script's own load decays from about 2 in some 40 s), waiting at most this long
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -458,6 +462,16 @@ def checkpoints_block(record):
 def load_average():
     """The machine's load average over the last minute."""
     return os.getloadavg()[0]
+
+
+def wait_for_quiet(limit=QUIET_LOAD, max_s=QUIET_WAIT_S, poll_s=5):
+    """Wait until the load average is below `limit` (the previous script's own load decays), at most `max_s`
+    seconds; return the load then. A run that starts above it records its load, which its caption shows."""
+    waited, load = 0, load_average()
+    while load >= limit and waited < max_s:
+        time.sleep(poll_s)
+        waited, load = waited + poll_s, load_average()
+    return load
 
 
 def busy(result, busy_ok):
@@ -761,6 +775,9 @@ def main(argv=None):
     elif not args.skip_run:
         bar = tqdm(runs, desc="scripts", unit="script", dynamic_ncols=True)
         for run in bar:
+            if not busy_ok:  # the pages' figures: each script starts on a quiet machine
+                bar.set_postfix_str(f"waiting for a load average below {QUIET_LOAD:g}")
+                wait_for_quiet()
             bar.set_postfix_str(" ".join(command(run, args)))
             problem = execute(run, command(run, args), results_dir)
             if problem:

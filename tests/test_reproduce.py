@@ -309,6 +309,24 @@ def test_a_busy_machine_does_not_replace_the_pages_unless_told(fake_repo, monkey
     assert "| fast | 1.3 |" in (fake_repo / "docs" / "page.md").read_text()
 
 
+def test_each_script_of_a_run_for_the_pages_waits_for_a_quiet_machine(fake_repo, monkeypatch):
+    loads = iter([0.5, 1.8, 1.4, 0.9] + [0.5] * 50)  # main's check; the previous script's load decaying; quiet
+    slept = []
+    monkeypatch.setattr(reproduce, "load_average", lambda: next(loads))
+    monkeypatch.setattr(reproduce.time, "sleep", slept.append)
+    reproduce.main(["--only", "ok"])
+    assert slept == [5, 5]  # two polls above 1.0, then the script ran
+    assert json.loads((fake_repo / "results" / "ok.json").read_text())["reproduce"]["load_average"] <= 0.9
+
+
+def test_the_wait_for_a_quiet_machine_gives_up_after_its_limit(monkeypatch):
+    slept = []
+    monkeypatch.setattr(reproduce, "load_average", lambda: 3.0)  # a machine that stays busy
+    monkeypatch.setattr(reproduce.time, "sleep", slept.append)
+    assert reproduce.wait_for_quiet(limit=1.0, max_s=20, poll_s=5) == 3.0  # the run then records load 3.0
+    assert slept == [5, 5, 5, 5]
+
+
 def test_a_run_that_started_on_a_busy_machine_keeps_its_block(fake_repo, monkeypatch):
     reproduce.main(["--only", "ok"])
     saved = fake_repo / "results" / "ok.json"
