@@ -310,7 +310,7 @@ def execute(run, cmd, results, timeout_s=None):
         return f"{' '.join(cmd)} exited with 0, but {e}; its block stays as it was"
     result["reproduce"] = {"command": " ".join(["python", *cmd]), "machine": machine(result["device"]),
                      "date": datetime.date.today().isoformat(), "seconds": round(time.time() - start),
-                     "load_average": round(load, 1)}
+                     "load_average": round(load, 2)}
     files.atomic_write_bytes((json.dumps(result, indent=2) + "\n").encode(), results / f"{run.name}.json")
     out_json.unlink()
     if run.plot:
