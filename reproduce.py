@@ -468,7 +468,7 @@ def wait_for_quiet(limit=QUIET_LOAD, max_s=QUIET_WAIT_S, poll_s=5):
     """Wait until the load average is below `limit` (the previous script's own load decays), at most `max_s`
     seconds; return the load then. A run that starts above it records its load, which its caption shows."""
     waited, load = 0, load_average()
-    while load >= limit and waited < max_s:
+    while round(load, 2) >= limit and waited < max_s:  # as the caption shows it: 0.996 would read 1.0
         time.sleep(poll_s)
         waited, load = waited + poll_s, load_average()
     return load

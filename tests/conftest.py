@@ -83,3 +83,21 @@ def as_torchrun_rank_0(monkeypatch, world):
     """This process's environment as torchrun sets it for rank 0 of `world` (nothing is listening)."""
     for name, value in (("RANK", 0), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29500)):
         monkeypatch.setenv(name, str(value))
+
+
+def renders_on_its_page(run_name, result):
+    """`result` (a script's JSON, as its --json wrote it) renders as reproduce.py renders run `run_name` of
+    RUNS: its headline (the one-glance row, worded by the script) and its table block with every extra table.
+    Each run of reproduce.RUNS has an end-to-end test that calls this (tests/test_reproduce.py checks)."""
+    import reproduce
+    run = next(run for run in reproduce.RUNS if run.name == run_name)
+    result = dict(result, reproduce={"command": f"python {run.script}", "machine": "test", "date": "today",
+                                     "seconds": 1, "load_average": 0.0})
+    headline = result["headline"]
+    assert set(headline) == {"technique", "figure"} and all(isinstance(v, str) and v for v in headline.values())
+    row = reproduce.summary_row(run, result)
+    assert row["technique"] == headline["technique"] and row["figure"] == headline["figure"]
+    block = reproduce.table_block(result)
+    assert block.count("\n| ") >= 2 + len(result["rows"])  # header, rule and one line per row, at least
+    for table in result.get("tables") or []:
+        assert table["title"] in block

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import inference_utils as iu
 import main_continuous_batching
@@ -200,6 +200,7 @@ def test_main_static_batching_end_to_end(real_data, tmp_path, capsys):
     assert all(r["ttft_ms"] is None and r["ttft_arrival_ms"] <= r["ttft_arrival_p99_ms"] for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["tpot_p99_ms"] >= r["tpot_ms"] for r in rows)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_static_batching", json.loads(out_json.read_text()))
 
 
 def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
@@ -219,6 +220,7 @@ def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
     assert result["headline"]["technique"] == "continuous vs static batching, paged KV cache: 6-request trace, batch 2"
     assert result["headline"]["figure"].startswith("throughput ") and "of its reserved slots" in result["headline"]["figure"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_continuous_batching", result)
 
 
 def test_main_continuous_batching_runs_only_the_variants_asked_for(real_data, tmp_path, capsys):
@@ -252,6 +254,7 @@ def test_main_continuous_batching_prefix_sharing_end_to_end(real_data, tmp_path,
     assert result["headline"]["technique"] == ("prefix sharing in the paged engine: 64-token system prompt, "
                                                "2-turn conversations")
     assert "with a pool of 64 blocks" in result["headline"]["figure"]
+    renders_on_its_page("main_continuous_batching_prefix_sharing", result)
 
 
 @pytest.mark.parametrize("script, flags", [
@@ -295,6 +298,7 @@ def test_the_long_prompt_run_has_the_chunked_prefill_headline(real_data, tmp_pat
     result = json.loads(out_json.read_text())
     assert result["headline"]["technique"].startswith("chunked prefill, trace with long prompts (median ")
     assert result["headline"]["figure"].startswith("p99 TPOT ")
+    renders_on_its_page("main_continuous_batching_long_prompts", result)
 
 
 @pytest.mark.parametrize("script, flags", [

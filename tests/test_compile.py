@@ -10,6 +10,7 @@ import torch
 import main_compile
 from gptlite_kvcache import GPTlite_KVCache, StaticKVCache, generate_kvcache
 from lib import compiled, engines, fast_decode, harness
+from conftest import renders_on_its_page
 
 # n_heads * d_head == d_model (GPT-2 needs it) and vocab 65 <= d_model (the head's bias folds into ln_f)
 PORTABLE = dict(vocab_size=65, d_model=80, n_heads=4, d_head=20, n_layers=2, dropout_p=0.0, seqlen=16)
@@ -136,6 +137,7 @@ def test_main_compile_times_the_fast_path_with_eagers_tokens(real_data, tmp_path
     rows = {(r["variant"], r["batch_size"]): r for r in result["rows"]}
     assert {("fast (C++)", 1), ("fast (C++)", 2)} <= set(rows)
     assert all(rows[("fast (C++)", b)]["same_tokens"] == "yes" for b in (1, 2))
+    renders_on_its_page("main_compile", result)
 
 
 def test_the_goal_compares_our_fastest_with_the_fastest_engine_per_batch():

@@ -4,11 +4,13 @@ torchrun (tests/disagg_worker.py, a tiny model, seconds each): tokens against on
 transfers recomputed, a dead and a silent prefill worker."""
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, as_torchrun_rank_0
+from conftest import TINY, as_torchrun_rank_0, renders_on_its_page
 
 import main_disaggregation
 from gptlite_kvcache import generate_kvcache, prefill
@@ -152,6 +154,19 @@ def test_a_prefill_worker_that_starts_and_sends_seconds_late_does_not_fail_a_cor
     assert result.returncode == 0, result.stderr[-2000:]
     saved = json.loads(out.read_text())
     assert saved["clean"]["outputs"] == saved["corrupt"]["outputs"] == saved["reference"]
+
+
+def test_the_script_starts_itself_on_two_processes_and_writes_a_row_per_variant(tmp_path):
+    """The smoke run of its docstring (random weights, 8 requests), as `python reproduce.py --quick` runs it."""
+    out = tmp_path / "disagg.json"
+    done = subprocess.run([sys.executable, "main_disaggregation.py", "--untrained", "--n-requests", "8", "--repeats",
+                           "1", "--device", "cpu", "--json", str(out)], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["script"] == "main_disaggregation.py" and result["untrained"] and len(result["rows"]) == 4
+    assert all(row["tokens_per_s"] > 0 for row in result["rows"])
+    renders_on_its_page("main_disaggregation", result)
 
 
 def test_a_prefill_worker_out_of_memory_says_so_and_is_not_reported_as_a_dead_peer(tmp_path):

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
 
 import inference_utils as iu
@@ -129,6 +129,7 @@ def test_main_distillation_trains_three_students_saves_the_best_and_it_loads(rea
     prompt = torch.tensor([real_data.encode("ROMEO:")])
     assert torch.equal(generate_kvcache(cached, prompt, 8, model.seqlen), generate(model, prompt, 8, model.seqlen))
     assert training.validation_loss(model, real_data) == pytest.approx(rows[result["best"]]["val_loss"], abs=1e-6)  # the best one
+    renders_on_its_page("main_distillation", result)
 
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, monkeypatch, diverging_loss):

@@ -12,6 +12,7 @@ import main_expert_parallel as mep
 from gptlite_ep import check_ep_size, parallel_moe_model, split_batch
 from gptlite_moe import GPTlite_MoE
 from lib import distributed, files, harness
+from conftest import renders_on_its_page
 
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
 SCRIPT = Path(__file__).resolve().parent.parent / "main_expert_parallel.py"
@@ -110,3 +111,4 @@ def test_the_script_on_two_ranks_writes_ep_and_tp_rows(real_data, tmp_path):
     checks = [line for line in saved["summary"] if "parallel," in line]
     assert len(checks) == 4 and all("identical: yes" in line for line in checks)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_expert_parallel", saved)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import inference_utils as iu
@@ -186,6 +186,7 @@ def test_main_flash_attention_end_to_end(real_data, tmp_path, capsys):
     else:  # no compiler: said, and left out of the benchmark
         assert "does not run" in result["flex_note"] and list(bench) == ["naive", "SDPA"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_flash_attention", result)
 
 
 @pytest.mark.parametrize("flags", [["--n-tokens", "1"], ["--prompt-len", "0"], ["--prompt-len", "129"],

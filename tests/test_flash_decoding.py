@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import inference_utils as iu
 import main_flash_decoding as mfd
@@ -107,6 +107,7 @@ def test_main_flash_decoding_end_to_end(real_data, tmp_path, capsys):
     assert rows["flash n_splits=3"]["same_tokens"] == "yes" and rows["flash n_splits=3"]["work_units"] == 12
     assert result["max_diff"] < ATOL and len(result["summary"]) == 3
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_flash_decoding", result)
 
 
 @pytest.mark.parametrize("flags", [["--splits", "0"], ["--splits", "4", "2"], ["--contexts", "64", "32"],

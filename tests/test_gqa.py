@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import inference_utils as iu
 import main_gqa
@@ -310,3 +310,4 @@ def test_main_gqa_json_has_its_headline(real_data, tmp_path, one_batch_validatio
     assert result["headline"]["technique"] == "GQA and MQA, converted from MHA, 1 uptraining steps"
     assert result["headline"]["figure"].startswith("KV cache / MHA's: GQA-2 0.5, MQA 0.25; TPOT at batch 2: eager MHA ")
     assert "; fast MHA " in result["headline"]["figure"]
+    renders_on_its_page("main_gqa", result)

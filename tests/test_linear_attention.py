@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import inference_utils as iu
 import main_linear_attention as mla
@@ -403,6 +403,7 @@ def test_main_end_to_end_untrained(tmp_path, real_data):
     assert by_context[("softmax", 200)] == pytest.approx(25 * by_context[("softmax", 8)])  # KV cache: linear
     assert by_context[("hybrid", 8)] < by_context[("hybrid", 200)]
     assert len(result["recall_rows"]) == 6 and (tmp_path / "linear.png").stat().st_size > 0
+    renders_on_its_page("main_linear_attention", result)
 
 
 QUICK = ["--untrained", "--contexts", "8", "16", "--batch-size", "1", "--n-tokens", "2", "--repeats", "1",

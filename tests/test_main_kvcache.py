@@ -6,6 +6,7 @@ import pytest
 import inference_utils as iu
 import main_kvcache
 from lib import harness, presets
+from conftest import renders_on_its_page
 
 
 def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, capsys):
@@ -42,6 +43,7 @@ def test_main_kvcache_runs_checks_and_saves_json_and_plot(real_data, tmp_path, c
     assert result["headline"]["technique"] == "KV cache, dynamic and static"
     assert result["headline"]["figure"].startswith("TPOT no cache / static cache: eager ")
     assert "; fast " in result["headline"]["figure"] and " at batch 2, " in result["headline"]["figure"] and "the same tokens within the window" in printed
+    renders_on_its_page("main_kvcache", result)
 
 
 def without_timings(value):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 from test_gqa import (diverging_loss, greedy_without_cache, positive_or_none,  # noqa: F401
                       prefill_then_steps, random_tokens)
 
@@ -165,6 +165,7 @@ def test_main_mla_runs_checks_saves_json_and_plot(real_data, tmp_path, capsys, o
         width = gptlite.d_head if r["variant"] == "MHA" else per_token[r["variant"]]
         assert r["attention_mflop"] == round(2 * 16 * gptlite.n_layers * gptlite.n_heads * 4 * width / 1e6)
         assert positive_or_none(r["tpot_ms"]) and positive_or_none(r["tpot_vs_mha"])
+    renders_on_its_page("main_mla", result)
 
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, one_batch_validation, diverging_loss):

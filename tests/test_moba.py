@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, random_gptlite
+from conftest import TINY, random_gptlite, renders_on_its_page
 
 import main_moba
 from lib import files, harness, presets, training
@@ -212,6 +212,7 @@ def test_main_moba_runs_checks_and_writes_json_and_plot(real_data, tmp_path, cap
         assert 0 < r["kv_kb_token"] < rows[0]["kv_kb_token"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "checkpoints").exists()
+    renders_on_its_page("main_moba", result)
 
 
 @pytest.mark.parametrize("flags", [["--top-k", "0"], ["--top-k", "8"], ["--top-k", "2", "2"], ["--block-size", "0"],

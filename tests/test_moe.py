@@ -14,6 +14,7 @@ import main_moe
 from gptlite_moe import GPTlite_MoE, GPTliteMoEConfig, MoEFeedForward, RouterError, within_capacity
 from lib.training import moe_loss_fn
 from lib import files, harness, training
+from conftest import renders_on_its_page
 
 ATOL = 1e-5  # float32 sums of a few experts in another order
 
@@ -276,6 +277,7 @@ def test_main_moe_writes_dense_and_moe_rows_with_their_checks(real_data, tmp_pat
     drops = {(r["variant"], r["capacity_factor"]): r["dropped_pct"] for r in capacity}
     assert drops["moe, balanced", "none"] == 0 and drops["moe, balanced", 1.0] >= drops["moe, balanced", 2.0]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_moe", result)
 
 
 def test_main_moe_trains_each_model_once_then_loads_it(real_data, tmp_path, monkeypatch, capsys):

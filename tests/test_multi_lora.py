@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import gptlite_lora as gl
 import inference_utils as iu
@@ -356,3 +356,4 @@ def test_the_json_has_the_headline_and_the_loss_table(real_data, tmp_path):
     assert result["headline"]["technique"] == "multi-LoRA serving, 3 requests over 3 adapters of rank 8"
     assert "TRANIO" in result["headline"]["figure"] and "merged copies" in result["headline"]["figure"]
     assert [r["variant"] for r in result["tables"][0]["rows"]] == ["TRANIO"]
+    renders_on_its_page("main_multi_lora", result)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import main_offloading
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
@@ -199,6 +199,7 @@ def test_main_offloading_checks_tokens_and_writes_its_rows(real_data, tmp_path):
     by = {(r["variant"], r["batch_size"]): r for r in rows}
     assert by["offload, no prefetch", 1]["peak_weight_mb"] < by["resident", 1]["peak_weight_mb"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.is_file()
+    renders_on_its_page("main_offloading", result)
 
 
 def test_a_damaged_or_foreign_offload_file_stops_the_script_before_decoding(real_data, tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import main_pipeline_parallel as mpp
 from gptlite_kvcache import GPTlite_KVCache
 from gptlite_pp import check_pp_size, pipeline_stage
 from lib import distributed, harness
+from conftest import renders_on_its_page
 
 WORKER = Path(__file__).resolve().parent / "pp_worker.py"
 SCRIPT = Path(__file__).resolve().parent.parent / "main_pipeline_parallel.py"
@@ -83,3 +84,4 @@ def test_the_script_on_two_ranks_writes_a_row_per_stage_count_and_micro_batches(
         assert (row["sent_KB_per_token"] > 0) == (P > 1) and 0 <= row["bubble_decode_pct"] <= 100
     assert all("identical to one process: yes" in line for line in saved["summary"][:4])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_pipeline_parallel", saved)

@@ -2,7 +2,7 @@
 generation without them; the block hash chain; LRU eviction; the fallback past the window."""
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 from gptlite_kvcache import StaticKVCache, generate_kvcache
 from lib import harness, training
@@ -245,6 +245,7 @@ def test_main_prefix_cache_runs_checks_and_saves_json_and_plot(real_data, tmp_pa
     assert result["headline"]["technique"] == "prefix caching, 32-token prefix + 8-token requests"
     assert result["headline"]["figure"].startswith("TTFT without / with the post's cache: ")
     assert "at batch 2, " in result["headline"]["figure"] and "store" in result["headline"]["figure"]
+    renders_on_its_page("main_prefix_cache", result)
 
 
 SMALL = ["--untrained", "--device", "cpu", "--prefix-len", "16", "--request-len", "8", "--n-tokens", "2",

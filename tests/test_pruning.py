@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 from test_distillation import quick_validation_loss
 from test_gqa import diverging_loss, positive_or_none, rebuild_of  # noqa: F401
 
@@ -228,6 +228,7 @@ def test_main_pruning_end_to_end(real_data, tmp_path, capsys, monkeypatch):
     ckpt = files.load_checkpoint(out_ckpt, vocab=real_data.vocab)
     assert ckpt["config"] == result["config"] and ckpt["meta"]["variant"] == result["best"]
     assert rebuild_of(ckpt).startswith("python main_pruning.py --untrained --preset cpu")
+    renders_on_its_page("main_pruning", result)
 
 
 def test_a_diverging_run_is_an_error_and_writes_nothing(real_data, tmp_path, monkeypatch, diverging_loss):

@@ -12,6 +12,7 @@ import main_quantization as mq
 from gptlite_kvcache import GPTlite_KVCache
 from lib import harness
 from lib import quantization as qz
+from conftest import renders_on_its_page
 
 
 def linear(n_in, n_out, seed=0):
@@ -226,6 +227,7 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     assert all(f"{r['variant'].split(' KV')[0]} {r['tpot_vs_float32']:.2f}x" in figure for r in kv[4:]
                if r["tpot_vs_float32"] is not None)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_quantization", result)
 
 
 def test_the_eager_path_alone_has_no_fast_rows(real_data, tmp_path):

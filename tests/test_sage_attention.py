@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import inference_utils as iu
 import main_sage_attention as msa
@@ -165,6 +165,7 @@ def test_main_sage_attention_end_to_end(real_data, tmp_path, capsys):
     assert all(r["attn_ms"] > 0 and r["val_loss"] > 0 for r in rows.values())
     assert result["smooth_diff"] < ATOL and len(result["summary"]) == 4
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_sage_attention", result)
 
 
 @pytest.mark.parametrize("flags", [["--val-batches", "0"], ["--n-tokens", "0"], ["--offset", "-1"],

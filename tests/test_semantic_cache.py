@@ -19,6 +19,7 @@ from lib import semantic_cache as sc
 from lib import training
 from lib.errors import GPTliteError
 from lib.semantic_cache import ScopedSemanticCache
+from conftest import renders_on_its_page
 
 DIM = 4
 
@@ -685,6 +686,7 @@ def test_main_semantic_cache_end_to_end(real_data, encoder, tmp_path, capsys, mo
     (table,) = result["tables"]
     assert table["title"] == "The threshold sweep on the labelled pairs:" and table["rows"] == result["threshold_table"]
     assert [c[1] for c in table["columns"]] == ["threshold", "precision", "recall", "hit rate"]
+    renders_on_its_page("main_semantic_cache", result)
 
 
 def test_main_semantic_cache_a_huge_n_tokens_is_a_parser_error_before_any_work(capsys, monkeypatch):

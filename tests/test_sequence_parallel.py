@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import main_sequence_parallel as msp
-from conftest import as_torchrun_rank_0
+from conftest import as_torchrun_rank_0, renders_on_its_page
 from gptlite import scaled_dot_product_attention
 from gptlite_rope import GPTlite_RoPE
 from gptlite_sp import Layout, attend_block, check_ulysses_size, merge_, ring_attention, sp_prefill, ulysses_attention
@@ -218,3 +218,4 @@ def test_the_script_on_two_ranks_checks_then_writes_its_rows_and_plot(real_data,
     assert by["ring", 256]["work_imbalance"] > 1.4 and by["zigzag", 256]["work_imbalance"] == 1.0
     assert saved["headline"]["technique"] == "sequence parallelism (ring, zigzag, Ulysses), 2 gloo ranks"
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_sequence_parallel", saved)

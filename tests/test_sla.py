@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, random_gptlite
+from conftest import TINY, random_gptlite, renders_on_its_page
 
 import main_sla
 from gptlite import GPTlite
@@ -301,6 +301,7 @@ def test_main_sla_runs_checks_and_writes_json_and_plot(real_data, tmp_path, caps
     assert [m["method"] for m in methods] == ["SLA, causal, 16% of tiles exact",
                                               "SLA, bidirectional, 12% of tiles exact"]
     assert all(not m["exact"] and m["training_steps"] == 2 for m in methods)
+    renders_on_its_page("main_sla", result)
 
 
 @pytest.mark.parametrize("flags", [["--exact", "0"], ["--exact", "1"], ["--exact", "1.5"], ["--exact", "0.2", "0.2"],

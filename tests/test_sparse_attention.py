@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import main_sparse_attention as msa
 from gptlite import generate
@@ -366,6 +366,7 @@ def test_plot_changes_nothing_in_the_json_and_the_headline_is_in_it(real_data, t
     assert all(not m["exact"] and m["training_steps"] == 0 for m in methods)
     assert methods[0]["reduction"] == "8.0x / 8.0x smaller (64 / 64 KB against 512 at 128 tokens)"  # 4 KB a token
     assert methods[-1]["reduction"] == "1.0x / 4.0x smaller (512 / 128 KB against 512 at 128 tokens)"  # + page bounds
+    renders_on_its_page("main_sparse_attention", results[0])
 
 
 @pytest.mark.parametrize("flag", ["--n-windows", "--n-prompts", "--n-tokens", "--stream-chars"])

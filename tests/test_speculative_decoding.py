@@ -17,6 +17,7 @@ from gptlite_mtp import FeatureHead, GPTlite_MTP
 from lib import files, harness, presets, training
 from lib import speculative as sp
 from lib.draft_heads import MedusaHeads, mtp_loss_fn, full_hidden, head_logits, medusa_loss
+from conftest import renders_on_its_page
 
 SMALL = dict(vocab_size=65, d_model=32, n_heads=2, d_head=16, n_layers=2, dropout_p=0.0, seqlen=32)
 
@@ -309,6 +310,7 @@ def test_main_writes_a_row_per_draft_with_its_speedup(real_data, tmp_path, capsy
     assert all(ok for ok in result["checks"].values()) and len(result["checks"]) >= 2 * 2 * 9
     assert sum("fast path" in check for check in result["checks"]) == 2 * 9  # 7 drafts and 2 plain, per batch
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renders_on_its_page("main_speculative_decoding", result)
 
 
 def test_drafts_are_trained_once_then_loaded(real_data, tmp_path, monkeypatch):

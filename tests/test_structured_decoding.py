@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, renders_on_its_page
 
 import inference_utils as iu
 import main_structured_decoding as msd
@@ -329,6 +329,7 @@ def test_script_runs_and_writes_json(real_data, tmp_path, capsys):
     assert all(result["checks"].values())
     assert all(r["accepted"] == 1 for r in result["rows"] if r["variant"] != "unconstrained")
     assert "checks:" in capsys.readouterr().out
+    renders_on_its_page("main_structured_decoding", result)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, as_torchrun_rank_0
+from conftest import TINY, as_torchrun_rank_0, renders_on_its_page
 
 import inference_utils as iu
 import main_tensor_parallel
@@ -258,6 +258,7 @@ def test_the_script_on_two_ranks_checks_then_writes_its_rows(real_data, tmp_path
     assert saved["headline"]["technique"] == "tensor parallelism, 2 gloo ranks of 1 thread(s)"
     assert saved["headline"]["figure"].startswith("TP against 1 rank x 1 thread: prefill ")
     assert saved["headline"]["figure"].endswith(f"max |logits diff| {saved['logits_max_diff']:.0e}, identical tokens")
+    renders_on_its_page("main_tensor_parallel", saved)
 
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--n-tokens"])

@@ -11,6 +11,7 @@ import gptlite_moba
 import main_trainable_sparse
 from lib import attention_benchmark, files, harness, moba
 from lib.dsa import dsa_decode
+from conftest import renders_on_its_page
 
 ATOL = 1e-6  # float32 attention outputs on random unit inputs
 
@@ -94,6 +95,7 @@ def test_main_trainable_sparse_runs_checks_and_writes_json_and_plot(real_data, t
     assert methods[2]["training_steps"] == 2  # DSA: the warm-up and the sparse step
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "checkpoints").exists()
+    renders_on_its_page("main_trainable_sparse", result)
 
 
 @pytest.mark.parametrize("flags, flag", [
