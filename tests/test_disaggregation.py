@@ -14,7 +14,7 @@ from conftest import TINY, as_torchrun_rank_0, renders_on_its_page
 
 import main_disaggregation
 from gptlite_kvcache import generate_kvcache, prefill
-from lib import distributed
+from lib import distributed, files
 from lib.disaggregation import LiveClock, admit_prefilled, checksum, engine_parts, kv_of, makespan_throughput
 from lib.paged_engine import Sequence
 
@@ -160,8 +160,8 @@ def test_the_script_starts_itself_on_two_processes_and_writes_a_row_per_variant(
     """The smoke run of its docstring (random weights, 8 requests), as `python reproduce.py --quick` runs it."""
     out = tmp_path / "disagg.json"
     done = subprocess.run([sys.executable, "main_disaggregation.py", "--untrained", "--n-requests", "8", "--repeats",
-                           "1", "--device", "cpu", "--json", str(out)], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
-                          text=True, timeout=900, stdin=subprocess.DEVNULL)
+                           "1", "--device", "cpu", "--json", str(out)], cwd=files.ROOT, capture_output=True, text=True,
+                          timeout=900, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["script"] == "main_disaggregation.py" and result["untrained"] and len(result["rows"]) == 4
