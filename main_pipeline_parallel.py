@@ -173,7 +173,7 @@ def main(argv=None):  # every flag checked first, then torchrun starts the ranks
 def experiment(args, preset, d, data):
     model = iu.load_model(GPTlite_KVCache, preset, d.device, data, untrained=args.untrained, seed=args.seed)
     Ps, N, T = stage_counts(d.world_size), d.world_size, args.threads
-    groups = {P: dist.new_group(list(range(P))) for P in Ps}  # every rank makes every group, in one order
+    groups = {P: distributed.new_group(range(P), args.timeout) for P in Ps}  # every rank makes every group, in one order
     stages = {P: [pipeline_stage(model, r, P) for r in range(P)] for P in Ps}
     mine = {P: stages[P][d.rank] if d.rank < P else None for P in Ps}
     prompts = corpus.sample_prompts(data, args.batch_size, args.prompt_len, seed=args.seed, device=d.device)

@@ -22,6 +22,8 @@ The API, small on purpose (everything else is plain torch.distributed):
     watch_launcher()                         a rank ends itself when its launcher is gone (SIGKILL too)
     check_environment(parser)                what env:// lacks as a parser error, before any work
     shutdown()                               leave the process group (safe to call twice)
+    new_group(ranks, timeout_s)              a subgroup whose collectives wait timeout_s too (torch's
+                                             own default for a new group is 30 minutes)
     collective_errors(timeout_s,             a context manager: a failed collective (a peer died or
                       memory_hint)           timed out) becomes one clear GPTliteError; this rank's own
                                              out-of-memory error too (it says which flag to lower)
@@ -152,6 +154,13 @@ def init(device="cpu", timeout_s=DEFAULT_TIMEOUT_S, startup_timeout_s=STARTUP_TI
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def new_group(ranks, timeout_s):
+    """dist.new_group over `ranks` whose collectives wait timeout_s for a peer, like the default group's:
+    torch gives a new group its own default of 30 minutes, so a barrier on it would wait that long for a
+    silent peer instead of raising within --timeout. Every rank of the world calls it, in one order."""
+    return dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def environment_problem():

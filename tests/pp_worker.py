@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/pp_worker.py check OUT.json
     ... tests/pp_worker.py die OUT.json      # rank 1 exits in the middle of the generation
-    ... tests/pp_worker.py hang OUT.json     # rank 1 stops answering; rank 0's receive times out
+    ... tests/pp_worker.py hang OUT.json     # rank 1 stops answering; rank 0's barrier times out
 
 `check`: every rank builds the same tiny GPTlite_KVCache of 4 blocks (weights drawn from N(0, 0.5): peaked
 attention, a wrong cache or position shows in the tokens), takes its stage of 2, and generates a batch of 5
@@ -40,15 +40,16 @@ def main():
         p.normal_(0.0, 0.5)
     prompts = torch.randint(65, (5, 6), generator=torch.Generator().manual_seed(1))
     expected = generate_kvcache(model, prompts, 8, 16)[:, 6:]
-    d = distributed.init("cpu", timeout_s=FAULT_TIMEOUT_S if mode in ("die", "hang") else TIMEOUT_S)
+    timeout_s = FAULT_TIMEOUT_S if mode in ("die", "hang") else TIMEOUT_S
+    d = distributed.init("cpu", timeout_s=timeout_s)
     stage = pipeline_stage(model, d.rank, d.world_size)
-    group = dist.new_group(list(range(d.world_size)))
+    group = distributed.new_group(range(d.world_size), timeout_s)
     figures = {}
-    with distributed.collective_errors(FAULT_TIMEOUT_S if mode in ("die", "hang") else TIMEOUT_S):
+    with distributed.collective_errors(timeout_s):
         if mode in ("die", "hang") and d.rank == 1:  # in the middle: after the first micro-batch of the prefill
             x = torch.empty(5, 6, CONFIG["d_model"])  # m = 1: the whole batch
             dist.recv(x, 0)
-            os._exit(3) if mode == "die" else time.sleep(20)  # silent far past the 3 s timeout
+            os._exit(3) if mode == "die" else time.sleep(3600)  # silent until torchrun ends it
         for m in (1, 2, 3):
             comm = CommStats()
             tokens, timeline = pipeline_generate(stage, list(prompts.tensor_split(m)), 8, comm, group)
