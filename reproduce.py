@@ -260,13 +260,22 @@ def read_text(path):
 # Running the scripts.
 
 def machine(device):
-    """CPU model and cores, and the GPU's name on CUDA."""
+    """CPU model (with its family and model numbers, which tell its generation where a virtual machine names
+    only "AMD EPYC"), cores and the instruction set PyTorch's kernels use (AVX2, AVX512: their sums round
+    differently, so a checkpoint trained on one differs from the other's), and the GPU's name on CUDA."""
+    fields = {}
     try:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   None)
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor's block
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        cpu = None
-    text = f"{cpu or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        pass
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        cpu += f" (family {fields['cpu family']}, model {fields['model']})"
+    text = f"{cpu}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
     if device.startswith("cuda") and torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name(torch.device(device))}"
     return text
@@ -428,23 +437,38 @@ def checkpoint_rows(folder):
 
 
 def record_checkpoints(results_dir, fresh):
-    """results/checkpoints.json: the checkpoints after this run's scripts, rendered by checkpoints_block. The
-    record of earlier runs keeps its rows of the files this machine lacks (a partial run, --only, on a clone
-    that has trained only what its scripts used); a file here replaces its row."""
+    """results/checkpoints.json: the checkpoints after this run's scripts, rendered by checkpoints_block. Each
+    row names the machine that holds the file (a checkpoint trained on another CPU generation has other
+    hashes). The record of earlier runs keeps its rows of the files this machine lacks (a partial run, --only,
+    on a clone that has trained only what its scripts used), and of the same file on another machine while a
+    result in results_dir was measured there; a file here replaces its row of this machine."""
     path = results_dir / "checkpoints.json"
-    rows = {row["checkpoint"]: row for row in checkpoint_rows(ROOT / "checkpoints")}
+    here = machine("cpu")
     try:
-        earlier = [] if fresh or not path.is_file() else json.loads(path.read_text())["rows"]
-    except (OSError, ValueError, KeyError) as e:
+        earlier = {} if fresh or not path.is_file() else json.loads(path.read_text())
+        earlier_rows = [dict(row, machine=row.get("machine", earlier.get("machine"))) for row in earlier.get("rows", [])]
+    except (OSError, ValueError, AttributeError) as e:
         raise ReproduceError(f"{path} is not a readable checkpoints record ({e}); delete it and rerun") from None
-    rows = {row["checkpoint"]: row for row in earlier} | rows
-    record = {"date": datetime.date.today().isoformat(), "fresh": fresh, "machine": machine("cpu"),
-              "rows": [rows[name] for name in sorted(rows)]}
+    measured_on = {here} | {result_machine(p) for p in results_dir.glob("*.json") if p.name != path.name}
+    rows = {(row["checkpoint"], row["machine"]): row for row in earlier_rows
+            if row["machine"] is None or row["machine"] in measured_on}
+    rows |= {(row["checkpoint"], here): dict(row, machine=here) for row in checkpoint_rows(ROOT / "checkpoints")}
+    record = {"date": datetime.date.today().isoformat(), "fresh": fresh, "machine": here,
+              "rows": [rows[key] for key in sorted(rows, key=lambda key: (key[0], key[1] or ""))]}
     files.atomic_write_bytes((json.dumps(record, indent=2) + "\n").encode(), path)
 
 
+def result_machine(path):
+    """The machine a results JSON was measured on (None when it does not say)."""
+    try:
+        return json.loads(path.read_text()).get("reproduce", {}).get("machine")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def checkpoints_block(record):
-    """The README's table of the checkpoints behind the figures, with their hashes."""
+    """The README's table of the checkpoints behind the figures, with their hashes (and the machine of each
+    when the pages' runs were measured on more than one)."""
     if not record["rows"]:
         return f"*The run of {record['date']} used no checkpoint (untrained weights only).*"
     how = ("trained from scratch by `python reproduce.py --fresh`" if record["fresh"] else
@@ -457,6 +481,13 @@ def checkpoints_block(record):
     columns = [("checkpoint", "checkpoint", "{}"), ("sha256", "sha256 of config, vocabulary and weights", "{}"),
                ("val_loss", "training's last val loss (10 batches)", "{:.4f}"), ("train_seconds", "training s", "{}"),
                ("rebuild", "rebuilt by", "{}")]
+    machines = {r.get("machine", record.get("machine")) for r in record["rows"]}
+    if len(machines) > 1:
+        rows = [dict(r, machine=r.get("machine", record.get("machine"))) for r in rows]
+        columns.insert(1, ("machine", "machine", "{}"))
+        return (f"*The checkpoints behind the pages, as the scripts found or trained them in `python reproduce.py` "
+                f"on {len(machines)} machines (the last run {record['date']}); each page's caption names its "
+                "machine.*\n\n" + markdown_table(columns, rows))
     where = f" on {record['machine']}" if record.get("machine") else ""
     return f"*The checkpoints of the run of {record['date']}{where}, {how}.*\n\n" + markdown_table(columns, rows)
 

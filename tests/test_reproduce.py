@@ -477,9 +477,33 @@ def test_a_partial_run_keeps_the_checkpoints_it_did_not_see(fake_repo):
     (fake_repo / "results" / "checkpoints.json").write_text(json.dumps({"date": "2026-01-01", "rows": [old]}))
     (fake_repo / "checkpoints").mkdir()
     reproduce.record_checkpoints(fake_repo / "results", fresh=False)
-    assert json.loads((fake_repo / "results" / "checkpoints.json").read_text())["rows"] == [old]
+    assert json.loads((fake_repo / "results" / "checkpoints.json").read_text())["rows"] == [dict(old, machine=None)]
     reproduce.record_checkpoints(fake_repo / "results", fresh=True)  # --fresh: only what this run trained
     assert json.loads((fake_repo / "results" / "checkpoints.json").read_text())["rows"] == []
+
+
+def test_a_checkpoint_trained_on_another_machine_keeps_its_row_while_a_page_was_measured_there(fake_repo,
+                                                                                             monkeypatch):
+    results = fake_repo / "results"
+    results.mkdir()
+    row = {"checkpoint": "checkpoints/cpu.pt", "sha256": "ab" * 32, "val_loss": 1.5, "train_seconds": 9,
+           "rebuild": "python gptlite.py"}
+    (results / "checkpoints.json").write_text(json.dumps({"date": "2026-01-01", "machine": "old CPU", "rows": [row]}))
+    (results / "main_a.json").write_text(json.dumps({"reproduce": {"machine": "old CPU"}}))
+    monkeypatch.setattr(reproduce, "machine", lambda device: "new CPU")
+    monkeypatch.setattr(reproduce, "checkpoint_rows", lambda folder: [dict(row, sha256="cd" * 32)])
+    reproduce.record_checkpoints(results, fresh=False)
+    record = json.loads((results / "checkpoints.json").read_text())
+    assert [(r["machine"], r["sha256"]) for r in record["rows"]] == [("new CPU", "cd" * 32), ("old CPU", "ab" * 32)]
+    block = reproduce.checkpoints_block(record)
+    assert "on 2 machines" in block and "| old CPU |" in block and "| new CPU |" in block
+    reproduce.record_checkpoints(results, fresh=False)  # this machine's file replaces its own row only
+    assert len(json.loads((results / "checkpoints.json").read_text())["rows"]) == 2
+    (results / "main_a.json").write_text(json.dumps({"reproduce": {"machine": "new CPU"}}))  # rerun here
+    reproduce.record_checkpoints(results, fresh=False)
+    record = json.loads((results / "checkpoints.json").read_text())
+    assert [r["machine"] for r in record["rows"]] == ["new CPU"]
+    assert "on 2 machines" not in reproduce.checkpoints_block(record)
 
 
 def test_a_clone_without_the_results_plots_renders_with_the_pages_own(fake_repo):
