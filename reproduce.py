@@ -1,10 +1,10 @@
 """One command reproduces the results pages: every script's default run, then every table and plot.
 
-    python reproduce.py                         # every script in turn (about 90 minutes on 2 CPU cores)
+    python reproduce.py                         # every script in turn (about 2 hours on 2 CPU cores)
     python reproduce.py --quick                 # a smoke run in a few minutes, rendered into results/quick/
     python reproduce.py --only main_gqa.py      # rerun some scripts; the other blocks stay as they are
     python reproduce.py --skip-run              # re-render the pages from the results/ JSON of the last run
-    python reproduce.py --fresh                 # every checkpoint trained again from scratch first (over 90 minutes)
+    python reproduce.py --fresh                 # every checkpoint trained again from scratch first (over 2 hours)
     python reproduce.py --dry-run               # print the commands it would run, and the last run's minutes
     python reproduce.py --device cuda --budget 10   # one GPU: the post's headline scripts in 10 minutes
 
