@@ -129,8 +129,8 @@ RUNS = [
                "--time-tokens", "16", "--repeats", "1")),
     Run("main_continuous_batching_prefix_sharing", "main_continuous_batching.py", "docs/batching.md",
         args=("--prefix-sharing",), quick=("--n-requests", "8", "--repeats", "1", "--turns", "2")),
-    # --full-recipe: the page compares trained language models (800 steps each, the preset's own recipe; about
-    # 45 minutes the first time on 2 cores), where the script's default 80 steps rank early learning only
+    # --full-recipe: the page compares trained language models (800 steps each, the preset's own recipe; 71
+    # minutes the first time on 2026-12-07's slower 2-core machine), where the default 80 steps rank early learning
     Run("main_linear_attention", "main_linear_attention.py", "docs/linear_attention.md", "linear_attention",
         "cache per sequence and TPOT against context, recall accuracy against key-value pairs and against state size",
         args=("--full-recipe",), quick=("--contexts", "128", "256", "--n-tokens", "4", "--repeats", "1", "--val-batches", "2",
@@ -481,15 +481,14 @@ def checkpoints_block(record):
     columns = [("checkpoint", "checkpoint", "{}"), ("sha256", "sha256 of config, vocabulary and weights", "{}"),
                ("val_loss", "training's last val loss (10 batches)", "{:.4f}"), ("train_seconds", "training s", "{}"),
                ("rebuild", "rebuilt by", "{}")]
-    machines = {r.get("machine", record.get("machine")) for r in record["rows"]}
+    rows = [dict(r, machine=r.get("machine", record.get("machine"))) for r in rows]  # older records: one machine
+    machines = {r["machine"] for r in rows}
     if len(machines) > 1:
-        rows = [dict(r, machine=r.get("machine", record.get("machine"))) for r in rows]
         columns.insert(1, ("machine", "machine", "{}"))
-        return (f"*The checkpoints behind the pages, as the scripts found or trained them in `python reproduce.py` "
-                f"on {len(machines)} machines (the last run {record['date']}); each page's caption names its "
-                "machine.*\n\n" + markdown_table(columns, rows))
-    where = f" on {record['machine']}" if record.get("machine") else ""
-    return f"*The checkpoints of the run of {record['date']}{where}, {how}.*\n\n" + markdown_table(columns, rows)
+        where = f" on {len(machines)} machines (each page's caption names its own)"
+    else:
+        where = f" on {record['machine']}" if record.get("machine") else ""
+    return f"*The checkpoints of the runs up to {record['date']}{where}, {how}.*\n\n" + markdown_table(columns, rows)
 
 
 def load_average():
