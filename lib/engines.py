@@ -16,10 +16,11 @@ import tempfile
 import torch
 
 
-def missing(package):
-    """None when `package` imports, else the one line that says what to install."""
+def missing(package, install=None):
+    """None when `package` imports, else the one line that says what to install (`install`: the pip
+    arguments, default the package's name)."""
     if importlib.util.find_spec(package) is None:
-        return f"{package} is not installed (pip install {package}): its rows are skipped"
+        return f"{package} is not installed (pip install {install or package}): its rows are skipped"
     return None
 
 
@@ -58,11 +59,18 @@ def to_gpt2(model):
         for ours, theirs in ((mha.out_proj, h.attn.c_proj), (fc1, h.mlp.c_fc), (fc2, h.mlp.c_proj)):
             theirs.weight.copy_(ours.weight.T)
             theirs.bias.copy_(ours.bias)
-    W, b = model.fc_out.weight.double(), model.fc_out.bias.double()  # [V, d], [V]
     t.ln_f.weight.copy_(model.ln.weight)
-    t.ln_f.bias.copy_(model.ln.bias.double() + torch.linalg.pinv(W) @ b)  # the head's bias, folded
+    t.ln_f.bias.copy_(folded_norm_bias(model))
     hf.lm_head.weight.copy_(model.fc_out.weight)
     return hf.to(model.fc_out.weight.device)
+
+
+@torch.no_grad()
+def folded_norm_bias(model):
+    """The final LayerNorm's shift with the head's bias folded in: beta + pinv(W) b, computed in float64
+    (logits = W (ln(x) + beta') equal W ln(x) + W beta + b when W [vocab, d_model] has full row rank)."""
+    W, b = model.fc_out.weight.double(), model.fc_out.bias.double()  # [V, d], [V]
+    return (model.ln.bias.double() + torch.linalg.pinv(W) @ b).to(model.ln.bias.dtype)
 
 
 @torch.inference_mode()
