@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import inference_utils as iu
 from gptlite_kvcache import GPTlite_KVCache, generate_kvcache
-from lib import corpus, fast_decode, harness, memory_bound, quantization as qz, training
+from lib import corpus, engines, fast_decode, harness, llamacpp, memory_bound, quantization as qz, training
 from lib.presets import PRESETS
 
 ATOL = 1e-4  # float32 logits: the packed kernels sum the same products in another order
@@ -134,6 +134,7 @@ def kv_bytes_per_token(model, bits, block, prompts):
 
 
 MEMORY_READ = "memory read (the float32 W, summed)"
+BENCH_MAX = 16384  # the default benchmark matrix's largest side: 1 GiB of float32
 
 
 def bench_layers(size, paths, candidates):
@@ -299,29 +300,68 @@ def shape_checks(variants, prompts, n_tokens):
     return checks
 
 
-def shape_rows(variants, prompt, n_tokens, repeats, bandwidth, llc):
-    """Each variant's greedy decoding at batch 1 on the fast path, round-robin with eager float32: TPOT,
+def shape_rows(variants, peers, prompt, n_tokens, repeats, bandwidth, llc):
+    """Each variant's greedy decoding at batch 1 on the fast path, round-robin with eager float32 and the `peers`
+    ({name: (fn(prompt, n) -> tokens, fn(context) -> (weight bytes, KV bytes) read per step)}): TPOT,
     tpot_vs_float32 (this TPOT / float32's on the fast path), bytes read per token and the time that many bytes
     take at the measured `bandwidth` (GB/s), and whether the weights fit the last-level cache."""
     fns = {(name, "fast"): (lambda n, v=v: fast_decode.generate_fast(v, prompt, n, v.seqlen))
            for name, (v, _) in variants.items()}
     eager = variants["float32"][1]
     fns["float32", "eager"] = lambda n: generate_kvcache(eager, prompt, n, eager.seqlen)
+    fns |= {(name, "llama.cpp"): (lambda n, f=f: f(prompt, n)) for name, (f, _) in peers.items()}
     timing = iu.compare_generation(fns, n_tokens, 1, repeats=repeats)
     context = prompt.shape[1] + n_tokens / 2  # the mean context of the timed steps
     rows = []
     for (name, path), t in timing.items():
-        weight_bytes, kv_bytes = bytes_per_token(variants[name][0], context)
+        weight_bytes, kv_bytes = (peers[name][1] if path == "llama.cpp"
+                                  else lambda c, v=variants[name][0]: bytes_per_token(v, c))(context)
         total = weight_bytes + kv_bytes
         rows.append(harness.make_row(
             name, shape=SHAPE, path=path, tpot_b1_ms=t["tpot_ms"],
-            tpot_vs_float32=iu.ratio(t["tpot_ms"], timing["float32", "fast"]["tpot_ms"]) if path == "fast" else None,
+            tpot_vs_float32=iu.ratio(t["tpot_ms"], timing["float32", "fast"]["tpot_ms"]) if path != "eager" else None,
             bytes_per_token=round(total), weight_mb=round(weight_bytes / 2**20, 2),
             kv_mb=round(kv_bytes / 2**20, 2), at_bandwidth_ms=round(total / bandwidth / 1e6, 3),
             in_cache="yes" if weight_bytes <= llc else "no"))
     for r in rows:
         r["tpot_vs_float32"] = None if r["tpot_vs_float32"] is None else round(r["tpot_vs_float32"], 2)
     return rows
+
+
+LLAMACPP = {"llama.cpp f32": "f32", "llama.cpp q8_0": "q8_0", "llama.cpp q4_0": "q4_0"}
+
+
+def llamacpp_peers(model, vocab, source, folder, threads):
+    """llama.cpp on `model`'s weights: {row name: (fn(prompt, n) -> greedy tokens, fn(context) -> (weight bytes,
+    KV bytes) read per step)} in float32, Q8_0 and Q4_0, each file written to `folder` (the float32 GGUF, then
+    llama.cpp's quantizer on it), the seconds that took (outside every timing), and a line for each file that
+    llama.cpp failed to decode in a child process (lib/llamacpp.probe): that row is skipped."""
+    peers, failed = {}, []
+    with iu.Timer() as writing:
+        f32 = llamacpp.write_gguf(model, vocab, f"{folder}/{source}-f32.gguf", source=source)
+        paths = {kind: f32 if kind == "f32" else llamacpp.quantize(f32, f"{folder}/{source}-{kind}.gguf", kind, threads)
+                 for kind in LLAMACPP.values()}
+    for name, kind in LLAMACPP.items():
+        if failure := llamacpp.probe(paths[kind], model.seqlen, threads):
+            failed.append(f"{name}: {failure}; its rows are skipped (README: llama.cpp without AMX)")
+            continue
+        llm = llamacpp.load(paths[kind], model.seqlen, threads)
+        config, _, sizes = llamacpp.read_config(paths[kind])
+        peers[name] = (lambda p, n, llm=llm: llamacpp.generate(llm, p, n),
+                       lambda c, config=config, sizes=sizes: llamacpp.bytes_per_token(sizes, config, c))
+    return peers, writing.seconds, failed
+
+
+def llamacpp_checks(peers, model, prompts, n_tokens, where):
+    """{check: ok}: llama.cpp's float32 greedy tokens equal ours (generate_kvcache); and the line that gives the
+    share of the quantized files' greedy tokens equal to float32's at the same position."""
+    ours = generate_kvcache(model, prompts, n_tokens, model.seqlen)
+    tokens = {name: fn(prompts, n_tokens) for name, (fn, _) in peers.items()}
+    checks = {f"{where}, llama.cpp f32: greedy tokens = ours ({prompts.shape[0]} prompts x {n_tokens})":
+              torch.equal(tokens["llama.cpp f32"], ours)} if "llama.cpp f32" in tokens else {}
+    shares = [f"{name.split()[1]} {(t[:, -n_tokens:] == ours[:, -n_tokens:]).float().mean().item():.0%}"
+              for name, t in tokens.items() if name != "llama.cpp f32"]
+    return checks, f"{where}: share of llama.cpp's greedy tokens equal to float32's: {', '.join(shares) or 'none'}"
 
 
 def kv_shape_setup(kv_bits, block, batch_size, context, n_tokens, seed):
@@ -390,8 +430,9 @@ def headline(rows, shape_table, kv_table):
     the fast path the weights' and the KV cache's TPOT against float32's."""
     best = min((r for r in rows if r["variant"].startswith("int4")), key=lambda r: r["loss_change"])
     figure = f"{best['variant']}: {best['bits_per_weight']:.1f} bits per weight, loss {best['loss_change']:+.4f}"
-    weights = [f"{r['variant'].split(' ')[0]} {r['tpot_vs_float32']:.2f}x" for r in shape_table
-               if r["path"] == "fast" and r["variant"] != "float32" and r["tpot_vs_float32"] is not None]
+    weights = [f"{r['variant'] if r['path'] == 'llama.cpp' else r['variant'].split(' ')[0]} {r['tpot_vs_float32']:.2f}x"
+               for r in shape_table if r["path"] != "eager" and r["variant"] != "float32"
+               and r["tpot_vs_float32"] is not None]
     kivi = [f"{r['variant'].split(' KV')[0]} {r['tpot_vs_float32']:.2f}x" for r in kv_table
             if r["path"] == "fast" and r["variant"] != "float32" and r["tpot_vs_float32"] is not None]
     if weights:
@@ -424,9 +465,9 @@ def plot_results(rows, bench, shape_table, kv_table, bandwidth, llc, preset, dev
 
 def plot_bytes(ax, shape_table, bandwidth, llc):
     """TPOT against the bytes read per token at the gptlite shape, fast path, with the bandwidth and cache lines."""
-    points = [(r["variant"], r["bytes_per_token"], r["tpot_b1_ms"]) for r in shape_table if r["path"] == "fast"]
+    points = [(r["variant"], r["bytes_per_token"], r["tpot_b1_ms"]) for r in shape_table if r["path"] != "eager"]
     memory_bound.plot_bytes(ax, points, bandwidth, llc, "MiB read per token (weights + KV cache)",
-                            "TPOT (ms), fast path, batch 1", f"decode is memory-bound: {SHAPE} shape")
+                            "TPOT (ms), fast path and llama.cpp, batch 1", f"decode is memory-bound: {SHAPE} shape")
 
 
 def parse_args(argv):
@@ -440,11 +481,14 @@ def parse_args(argv):
     add("--calib-windows", type=harness.batches, default=16, help="calibration windows of GPTQ, AWQ, SmoothQuant")
     add("--val-batches", type=harness.batches, default=10, help="validation batches of 32 windows per loss")
     add("--bench-size", type=harness.int_at_least(64), default=None,
-        help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache)")
+        help="the benchmark matrix's side (default: a multiple of 256 whose int4 form is 1.5x the last-level cache, "
+             "at most 16384)")
     harness.add_generation_flags(parser, prompt_len=32, n_tokens=32, repeats=3)
     add("--candidates", action=argparse.BooleanOptionalAction, default=True,
         help="benchmark Inductor's and torchao's int8 weight-only products too (Inductor compiles each once)")
     harness.add_paths_flag(parser)
+    add("--llamacpp", action=argparse.BooleanOptionalAction, default=True,
+        help=f"llama.cpp's rows (float32, Q8_0, Q4_0 on the same weights; pip install {llamacpp.INSTALL})")
     memory_bound.add_shape_flags(parser)
     args = parser.parse_args(argv)
 
@@ -467,7 +511,8 @@ def parse_args(argv):
             parser.error(f"--prompt-len + --n-tokens exceed the window of {preset.seqlen}")
         if args.bench_size is None:
             llc = memory_bound.last_level_cache_bytes() or 32 * 2**20
-            args.bench_size = 256 * math.ceil(math.sqrt(3 * llc) / 256)  # int4 (size^2 / 2 bytes): 1.5x the cache
+            # int4 (size^2 / 2 bytes): 1.5x the cache, at most 1 GiB of float32 (a VM may report its host's whole cache)
+            args.bench_size = min(256 * math.ceil(math.sqrt(3 * llc) / 256), BENCH_MAX)
         harness.check_fits(parser, "--bench-size", 14 * args.bench_size**2, "the benchmark's matrices")
     args.kv_bits = sorted(set(args.kv_bits), reverse=True)
     return (args, *harness.setup(args, parser, check_args))
@@ -494,8 +539,39 @@ def summary_lines(checks, path_rows, args, layers):
     return summary
 
 
+def llamacpp_setup(args, device, preset, model, shape, vocab, prompts, folder):
+    """llama.cpp's rows, when asked for and installed (else a line says why not): the peers at the gptlite shape,
+    the checks of its float32 tokens against ours (the trained model's and the shape's) and the summary lines."""
+    if not args.llamacpp:
+        return {}, {}, []
+    skip = engines.missing("llama_cpp", llamacpp.INSTALL) or (
+        f"llama.cpp runs on the CPU here, the run is on {device}: its rows are skipped" if device.type != "cpu" else None)
+    if skip:  # one line, in the summary under the tables
+        return {}, {}, [skip]
+    threads = torch.get_num_threads()
+    trained, seconds, failed = llamacpp_peers(model, vocab, preset.name, folder, threads)
+    checks, line = llamacpp_checks(trained, model, prompts, args.n_tokens, f"{preset.name} preset")
+    lines = failed + [line]
+    peers = {}
+    if shape:
+        peers, shape_seconds, failed = llamacpp_peers(shape["float32"][1], vocab, SHAPE, folder, threads)
+        shape_checks_, shape_line = llamacpp_checks(peers, shape["float32"][1], prompts[:2], args.n_tokens,
+                                                    f"{SHAPE} shape")
+        checks |= shape_checks_
+        lines += failed + [shape_line]
+        seconds += shape_seconds
+    lines.append(f"llama.cpp: GGUF files written and quantized in {seconds:.1f} s (outside the timings); "
+                 f"{threads} threads, a float32 KV cache; its GPT-2 graph runs GPTlite exactly (lib/llamacpp.py)")
+    return peers, checks, lines
+
+
 def main(argv=None):
     args, preset, device, data = parse_args(argv)
+    with engines.temp_dir() as folder:  # llama.cpp's GGUF files, for this run only
+        run_all(args, preset, device, data, folder)
+
+
+def run_all(args, preset, device, data, folder):
     model = iu.load_model(GPTlite_KVCache, preset, device, data, untrained=args.untrained, seed=args.seed)
     calibration = corpus.sample_prompts(data, args.calib_windows, preset.seqlen, seed=args.seed + 1, device=device)
     window = corpus.sample_prompts(data, 4, preset.seqlen, seed=args.seed, device=device)
@@ -521,15 +597,17 @@ def main(argv=None):
                                          args.shape_tokens, args.seed)
     checks |= shape_checks(shape, prompts[:2], args.n_tokens) | kv_shape_checks(
         kv_model, kv_caches, args.shape_batch, args.shape_context, args.paths)
+    peers, peer_checks, peer_lines = llamacpp_setup(args, device, preset, model, shape, data.vocab, prompts, folder)
+    checks |= peer_checks
     harness.require_checks(checks)
     rows, path_rows = measure(models, plain, diffs, fns, prompts, tokens, data, args, preset)
     bench = matmul_benchmark(layers, x, args.repeats + 2)
     bandwidth = next((b["weight_GB_per_s"] for b in bench if b["variant"] == MEMORY_READ), None)
     llc = memory_bound.last_level_cache_bytes() or 32 * 2**20
-    shape_table = shape_rows(shape, prompts[:1], args.n_tokens, args.repeats, bandwidth, llc) if shape else []
+    shape_table = shape_rows(shape, peers, prompts[:1], args.n_tokens, args.repeats, bandwidth, llc) if shape else []
     kv_table = kv_shape_rows(kv_model, kv_caches, args.shape_batch, args.shape_context, args.shape_tokens,
                              args.paths, args.repeats, bandwidth, llc)
-    summary = summary_lines(checks, path_rows, args, layers)
+    summary = summary_lines(checks, path_rows, args, layers) + peer_lines
     harness.report(args, "main_quantization.py", preset, device, rows, headline(rows, shape_table, kv_table),
                    summary=summary,
                    tables=[harness.table("Greedy decoding on each path (TPOT ms; vs_float32: float32's TPOT on the "

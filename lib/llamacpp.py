@@ -18,6 +18,9 @@ The vocabulary is the 65 characters, written as a SentencePiece-style list (spac
 byte token <0x0A>); llama.cpp's tokenizer is never used: prompts go in as token ids.
 """
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -80,13 +83,15 @@ def vocab_pieces(vocab):
     return pieces, [6 if ch == "\n" else 1 for ch in vocab]
 
 
-def write_gguf(model, vocab, path, source="", scale=SCALE):
+def write_gguf(model, vocab, path, source="GPTlite", scale=SCALE):
     """Write GPTlite `model` as a float32 GPT-2 GGUF file at `path` (a temporary file, then renamed): its
     hyperparameters, the characters `vocab` and `source` (a name for the weights, checked by read_config)."""
     import gguf
     c = model.config
     if len(vocab) != c.vocab_size:
         raise ValueError(f"the vocabulary has {len(vocab)} characters, the model {c.vocab_size} tokens")
+    if not source:
+        raise ValueError("source names the weights in the file: give a non-empty string")
     tensors = gguf_tensors(model, scale)
     tmp = f"{path}.tmp"
     writer = gguf.GGUFWriter(tmp, arch="gpt2")
@@ -165,6 +170,37 @@ def load(path, n_ctx, threads):
                      n_threads_batch=threads, type_k=0, type_v=0, flash_attn=False, verbose=False)
 
 
+PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]), verbose=False)
+llm.eval([0, 1])
+"""
+
+
+def probe(path, n_ctx, threads, timeout=120):
+    """None when llama.cpp decodes two tokens of the GGUF file `path` in a child process, else the line that says
+    how it failed. A native build can crash outright (on this project's Intel machines with AMX, llama.cpp's AMX
+    kernels stop with a general protection fault on Q8_0 and Q4_0): a crash there must not take the script with it."""
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, path, str(n_ctx), str(threads)], capture_output=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not decode {os.path.basename(path)} within {timeout} s"
+    if done.returncode == 0:
+        return None
+    how = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+           else f"exit status {done.returncode}: {done.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
+    return f"llama.cpp failed to decode {os.path.basename(path)} ({how})"
+
+
+def last_logits(llm):
+    """The logits [vocab] of the last token llm evaluated (llama.cpp's own buffer: Llama.eval keeps them only with
+    logits_all)."""
+    import llama_cpp
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
 def generate(llm, prompt, n_tokens):
     """Greedy decoding with llama.cpp: prompt [B, P] -> [B, P + n_tokens], one sequence at a time (its cache
     cleared before each), the argmax of the logits of the last token evaluated."""
@@ -174,7 +210,7 @@ def generate(llm, prompt, n_tokens):
         llm.eval(row)
         new = []
         for i in range(n_tokens):
-            new.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            new.append(int(np.argmax(last_logits(llm))))
             if i + 1 < n_tokens:
                 llm.eval(new[-1:])
         rows.append(row + new)

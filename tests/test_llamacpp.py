@@ -17,7 +17,7 @@ needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
 VOCAB = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # tiny Shakespeare's 65 characters
 
 
-def model(n_heads=5, d_head=16, d_model=80, seed=0):
+def model(n_heads=6, d_head=16, d_model=96, seed=0):
     torch.manual_seed(seed)
     m = GPTlite_KVCache(vocab_size=65, d_model=d_model, n_heads=n_heads, d_head=d_head, n_layers=2, dropout_p=0.0,
                         seqlen=32).eval()
@@ -61,12 +61,12 @@ def gpt2_gelu_logits(t, hp, ids):
     return h @ t["output.weight"].T
 
 
-@pytest.mark.parametrize("n_heads", [5, 4])  # 5 x 16 = d_model; 4 x 16 padded with a zero head (the gptlite case)
+@pytest.mark.parametrize("n_heads", [6, 5])  # 6 x 16 = d_model; 5 x 16 padded with a zero head (the gptlite case)
 def test_gguf_in_gpt2_gelu_graph_gives_gptlite_logits(tmp_path, n_heads):
     m = model(n_heads=n_heads)
     path = llamacpp.write_gguf(m, VOCAB, str(tmp_path / "m.gguf"), source="test")
     tensors, hp = read_back(path)
-    assert hp["heads"] == 5
+    assert hp["heads"] == 6
     ids = torch.randint(0, 65, (32,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = m(ids[None])[0][0]  # [S, V]
@@ -79,19 +79,19 @@ def test_gguf_in_gpt2_gelu_graph_gives_gptlite_logits(tmp_path, n_heads):
 
 
 def test_read_config_and_bytes(tmp_path):
-    m = model(n_heads=4)
+    m = model(n_heads=5)
     path = llamacpp.write_gguf(m, VOCAB, str(tmp_path / "m.gguf"), source="checkpoint abc")
     config, source, sizes = llamacpp.read_config(path)
     assert source == "checkpoint abc"
-    assert config == {"context_length": 32, "embedding_length": 80, "block_count": 2, "feed_forward_length": 320,
-                      "attention.head_count": 5, "vocab_size": 65}
-    assert sizes["blk.0.attn_qkv.weight"] == 3 * 80 * 80 * 4
+    assert config == {"context_length": 32, "embedding_length": 96, "block_count": 2, "feed_forward_length": 384,
+                      "attention.head_count": 6, "vocab_size": 65}
+    assert sizes["blk.0.attn_qkv.weight"] == 3 * 96 * 96 * 4
     weights, kv = llamacpp.bytes_per_token(sizes, config, context=10)
-    # the blocks of a 5-head model (4 heads and the zero one), the final norm and head, one row of each embedding
-    n_blocks = sum(p.numel() for p in model(n_heads=5).blocks.parameters())
-    n_other = 2 * 80 + 65 * 80 + 2 * 80
+    # the blocks of a 6-head model (5 heads and the zero one), the final norm and head, one row of each embedding
+    n_blocks = sum(p.numel() for p in model(n_heads=6).blocks.parameters())
+    n_other = 2 * 96 + 65 * 96 + 2 * 96
     assert weights == 4 * (n_blocks + n_other)
-    assert kv == 10 * 2 * 2 * 80 * 4
+    assert kv == 10 * 2 * 2 * 96 * 4
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -101,7 +101,7 @@ def test_bad_inputs(tmp_path):
         llamacpp.write_gguf(m, VOCAB[:64], str(tmp_path / "x.gguf"))
     assert not list(tmp_path.iterdir())  # nothing written
     with pytest.raises(ValueError, match="do not pad"):
-        llamacpp.check_portable(model(n_heads=6).config)
+        llamacpp.check_portable(model(n_heads=7).config)
     path = llamacpp.write_gguf(m, VOCAB, str(tmp_path / "m.gguf"))
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(open(path, "rb").read()[:1000])
@@ -121,7 +121,7 @@ def test_bad_inputs(tmp_path):
 
 
 @needs_llama
-@pytest.mark.parametrize("n_heads", [5, 4])
+@pytest.mark.parametrize("n_heads", [6, 5])
 def test_llamacpp_f32_greedy_tokens_equal_ours(tmp_path, n_heads):
     m = model(n_heads=n_heads, seed=2)
     path = llamacpp.write_gguf(m, VOCAB, str(tmp_path / "m.gguf"))
@@ -141,7 +141,7 @@ def test_llamacpp_quantized_files(tmp_path):
         assert types["blk.0.ffn_up.weight"] == type_name and types["blk.0.attn_norm.weight"] == "F32"
         _, _, sizes = llamacpp.read_config(dst)
         # Q8_0: 34 bytes per 32 weights, Q4_0: 18
-        assert sizes["blk.0.ffn_up.weight"] == 320 * 80 // 32 * (34 if kind == "q8_0" else 18)
+        assert sizes["blk.0.ffn_up.weight"] == 384 * 96 // 32 * (34 if kind == "q8_0" else 18)
         llm = llamacpp.load(dst, n_ctx=32, threads=2)
         tokens = llamacpp.generate(llm, torch.arange(8)[None], 4)
         assert tokens.shape == (1, 12) and tokens.max() < 65

@@ -2,7 +2,9 @@
 against dequantize-then-matmul, GPTQ against the OBQ update written out (the inverse Hessian recomputed
 after every column), AWQ and SmoothQuant against their own invariants, W8A8 against an integer emulation,
 KIVI against per-channel and per-token quantization written here; bad settings are clear errors."""
+import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -184,7 +186,7 @@ def test_bad_flags_are_clear_errors_before_any_work(flags, match, capsys, monkey
 
 def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
     out_json, out_png = tmp_path / "q.json", tmp_path / "q.png"
-    mq.main(["--untrained", "--json", str(out_json), "--plot", str(out_png)] + QUICK)
+    mq.main(["--untrained", "--json", str(out_json), "--plot", str(out_png), "--no-llamacpp"] + QUICK)
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert {"float32", "int8 per channel, RTN", "int4 g32, GPTQ", "int4 g32, AWQ", "KIVI 2-bit KV cache"} <= set(rows)
@@ -228,6 +230,39 @@ def test_main_writes_a_row_per_variant_with_its_checks(real_data, tmp_path):
                if r["tpot_vs_float32"] is not None)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     renders_on_its_page("main_quantization", result)
+
+
+def test_without_llama_cpp_its_rows_are_skipped_with_one_line(real_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec then says it is not installed
+    out_json = tmp_path / "q.json"
+    mq.main(["--untrained", "--paths", "eager", "--kv-bits", "4", "--no-candidates", "--json", str(out_json)] + QUICK)
+    result = json.loads(out_json.read_text())
+    line = "llama_cpp is not installed (pip install -r requirements-llamacpp.txt): its rows are skipped"
+    assert capsys.readouterr().out.count(line) == 1 and line in result["summary"]
+    assert not any("llama.cpp" in r["variant"] for t in result["tables"] for r in t["rows"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed (pip install -r requirements-llamacpp.txt)")
+def test_llama_cpp_rows_beside_ours_at_the_gptlite_shape(real_data, tmp_path, monkeypatch):
+    real_probe = mq.llamacpp.probe
+    monkeypatch.setattr(mq.llamacpp, "probe", lambda path, *a: "llama.cpp failed to decode it (killed by SIGSEGV)"
+                        if path.endswith("gptlite-q4_0.gguf") else real_probe(path, *a))  # a crash: the row skipped
+    out_json = tmp_path / "q.json"
+    mq.main(["--untrained", "--kv-bits", "4", "--no-candidates", "--shape-batch", "0", "--json", str(out_json)]
+            + QUICK[:-6])
+    result = json.loads(out_json.read_text())
+    shape = result["tables"][2]["rows"]
+    peers = {r["variant"]: r for r in shape if r["path"] == "llama.cpp"}
+    assert list(peers) == ["llama.cpp f32", "llama.cpp q8_0"]
+    ours = {r["variant"]: r for r in shape if r["path"] == "fast"}
+    # llama.cpp reads the padded heads' zeros: 8 heads of 64 against 6 (Q, K, V, W_o: 4 x 512 x 128 floats a block)
+    assert peers["llama.cpp f32"]["weight_mb"] == round(ours["float32"]["weight_mb"] + 6 * 4 * 512 * 128 * 4 / 2**20, 2)
+    assert peers["llama.cpp q8_0"]["weight_mb"] < peers["llama.cpp f32"]["weight_mb"] / 3.5
+    assert all(r["tpot_vs_float32"] is None or r["tpot_vs_float32"] > 0 for r in peers.values())
+    checks = [c for c in result["checks"] if "llama.cpp f32: greedy tokens = ours" in c]
+    assert len(checks) == 2 and all(result["checks"][c] for c in checks)  # the trained preset's and the shape's
+    assert any("llama.cpp q4_0: llama.cpp failed to decode it" in line for line in result["summary"])
 
 
 def test_the_eager_path_alone_has_no_fast_rows(real_data, tmp_path):
