@@ -11,6 +11,7 @@ Mechanisms:
 - engines: GPTlite's weights in Hugging Face transformers and CTranslate2.
 - fast_decode (and fast_decode.cpp): the fast decode path, the cached forward pass as one C++ call.
 - kv_budget: window, sinks, H2O, SnapKV, Quest: which cached tokens a decode step attends to.
+- llamacpp: GPTlite as a GPT-2 GGUF file for llama.cpp (exact through its GELU graph), quantized and decoded there.
 - lora_peft: LoRA adapters trained with peft, taken out into gptlite_lora's LoRAAdapter.
 - memory_bound: read bandwidth, the last-level cache, decode steps over a filled cache, TPOT against bytes.
 - offload: weights in a slow tier, each block streamed in (ZeRO-Inference's way).

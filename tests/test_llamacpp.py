@@ -145,3 +145,13 @@ def test_llamacpp_quantized_files(tmp_path):
         llm = llamacpp.load(dst, n_ctx=32, threads=2)
         tokens = llamacpp.generate(llm, torch.arange(8)[None], 4)
         assert tokens.shape == (1, 12) and tokens.max() < 65
+
+
+@needs_llama
+def test_probe_runs_llama_cpp_in_a_child_and_says_how_it_failed(tmp_path):
+    good = llamacpp.write_gguf(model(), VOCAB, str(tmp_path / "m.gguf"))
+    assert llamacpp.probe(good, 32, 2) is None
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(open(good, "rb").read()[:4096])  # a cut file: llama.cpp refuses it, the parent goes on
+    line = llamacpp.probe(str(bad), 32, 2)
+    assert line.startswith("llama.cpp failed to decode bad.gguf (exit status 1")

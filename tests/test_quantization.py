@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+import inference_utils as iu
 import main_quantization as mq
 from gptlite_kvcache import GPTlite_KVCache
 from lib import harness
+from lib.presets import PRESETS
 from lib import quantization as qz
 from conftest import renders_on_its_page
 
@@ -255,9 +257,11 @@ def test_llama_cpp_rows_beside_ours_at_the_gptlite_shape(real_data, tmp_path, mo
     shape = result["tables"][2]["rows"]
     peers = {r["variant"]: r for r in shape if r["path"] == "llama.cpp"}
     assert list(peers) == ["llama.cpp f32", "llama.cpp q8_0"]
-    ours = {r["variant"]: r for r in shape if r["path"] == "fast"}
-    # llama.cpp reads the padded heads' zeros: 8 heads of 64 against 6 (Q, K, V, W_o: 4 x 512 x 128 floats a block)
-    assert peers["llama.cpp f32"]["weight_mb"] == round(ours["float32"]["weight_mb"] + 6 * 4 * 512 * 128 * 4 / 2**20, 2)
+    # llama.cpp reads a model of 8 heads of 64 (the 6 and two zero heads), no head bias, one row of each embedding
+    padded = GPTlite_KVCache(**{**PRESETS["gptlite"].gptlite_kwargs(), "n_heads": 8})
+    n = iu.n_params(padded) - padded.token_embedding.weight.numel() - padded.position_embedding.weight.numel() \
+        - padded.fc_out.bias.numel() + 2 * 512
+    assert peers["llama.cpp f32"]["weight_mb"] == round(4 * n / 2**20, 2)
     assert peers["llama.cpp q8_0"]["weight_mb"] < peers["llama.cpp f32"]["weight_mb"] / 3.5
     assert all(r["tpot_vs_float32"] is None or r["tpot_vs_float32"] > 0 for r in peers.values())
     checks = [c for c in result["checks"] if "llama.cpp f32: greedy tokens = ours" in c]
