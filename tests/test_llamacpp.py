@@ -155,3 +155,15 @@ def test_probe_runs_llama_cpp_in_a_child_and_says_how_it_failed(tmp_path):
     bad.write_bytes(open(good, "rb").read()[:4096])  # a cut file: llama.cpp refuses it, the parent goes on
     line = llamacpp.probe(str(bad), 32, 2)
     assert line.startswith("llama.cpp failed to decode bad.gguf (exit status 1")
+
+
+@needs_llama
+def test_llamacpp_f32_logits_equal_ours(tmp_path):
+    m = model(n_heads=5, seed=5)  # a padded head
+    llm = llamacpp.load(llamacpp.write_gguf(m, VOCAB, str(tmp_path / "m.gguf")), n_ctx=32, threads=2)
+    ids = torch.randint(0, 65, (20,), generator=torch.Generator().manual_seed(6))
+    llm.reset()
+    llm.eval(ids.tolist())
+    with torch.no_grad():
+        want = m(ids[None])[0][0, -1]
+    assert (torch.from_numpy(llamacpp.last_logits(llm).copy()) - want).abs().max().item() < 1e-5
