@@ -24,6 +24,7 @@ paged pool (allocated blocks) and for a contiguous cache that reserves seqlen sl
 prefix sharing (vLLM's automatic prefix caching: full KV blocks shared by their chained hash):
 requests after one system prompt, and conversations whose every turn resends the conversation so far.
 """
+import argparse
 from collections import deque
 
 import numpy as np
@@ -31,7 +32,7 @@ import torch
 
 import inference_utils as iu
 from gptlite import GPTlite
-from lib import harness, serving, training
+from lib import engines, harness, serving, training, vllm_peer
 from lib.paged_engine import PagedEngine
 from main_static_batching import next_tokens, static_batching
 
@@ -305,6 +306,73 @@ def batch_size_sweep(base, trace, args, seqlen, device):
     return sweep, rows
 
 
+VLLM_BATCH_SIZES = (8, 32)  # the batch sizes at which the paged engine and vLLM run the default trace
+VLLM_BLOCK = 32  # vLLM's CPU attention takes KV blocks of a multiple of 32 tokens
+
+
+def vllm_variants(peer, model_dir, base, batch_size, seqlen, block_size, chunk_size):
+    """The paged engine with chunked prefill and vLLM on the same slots and the same token budget a step (batch_size
+    + chunk_size: every decode and up to chunk_size prompt tokens), prefix caching off: {row name: serve}."""
+    ours = make_variants(base, batch_size, seqlen, block_size, chunk_size, names=("chunked",))
+    key = f"batch {batch_size}"
+    peer.engine(key, model_dir, seqlen, batch_size, VLLM_BLOCK, batch_size + chunk_size, chunked=True,
+                prefix_caching=False)
+
+    def serve(requests, clock):
+        outputs, run, blocks = peer.run(key, requests, clock.arrivals)
+        for name in ("first", "last", "busy", "n_steps", "now", "slot_steps"):  # the run's clock, as ours fills it
+            setattr(clock, name, getattr(run, name))
+        return outputs, dict(blocks_peak=max(blocks, default=0), block_tokens=VLLM_BLOCK)
+
+    (name, fn), = ours.items()
+    return {f"{name} (batch {batch_size})": fn, f"vLLM {peer.version} (batch {batch_size})": serve}
+
+
+def vllm_rows(results, reference, block_size):
+    """A row per engine and batch size: the latencies, throughput, the KV blocks at their peak (and the tokens they
+    hold) and, on the paged engine's rows, vs_vllm: its throughput over vLLM's at the same batch size."""
+    rows = []
+    for name, runs in results.items():
+        f = serving.median_figures([f for _, f in runs])
+        block = f.get("block_tokens") or block_size
+        same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
+        rows.append(harness.make_row(name, **{k: f[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
+                                                                "tpot_p99_ms", "tokens_per_s")},
+                                     steps=f["steps"], kv_blocks_peak=f["blocks_peak"], block_tokens=block,
+                                     kv_tokens_peak=None if f["blocks_peak"] is None else f["blocks_peak"] * block,
+                                     same=next((s for s in same if s != "yes"), "yes")))
+    for ours, theirs in zip(rows[::2], rows[1::2]):
+        ratio = iu.ratio(ours["tokens_per_s"], theirs["tokens_per_s"])
+        ours["vs_vllm"] = None if ratio is None else round(ratio, 2)
+    return rows
+
+
+def vllm_experiment(base, trace, args, seqlen, device, folder):
+    """The paged engine and vLLM on the default trace at VLLM_BATCH_SIZES, each pair checked (every request's tokens
+    equal generating it alone) and then timed round-robin: (rows, the summary line), or ([], the one line that
+    says why there are none)."""
+    if not args.vllm:
+        return [], None
+    if device.type != "cpu":
+        return [], f"vLLM's rows run on the CPU build here, the run is on {device}: skipped"
+    try:
+        python = vllm_peer.find_python(args.vllm_python)
+        with vllm_peer.VLLMPeer(python, timeout=args.vllm_timeout, log=f"{folder}/vllm.log") as peer:
+            model_dir = vllm_peer.write_model(base, f"{folder}/model")
+            pairs = [vllm_variants(peer, model_dir, base, b, seqlen, args.block_size, args.chunk_size)
+                     for b in VLLM_BATCH_SIZES]
+            harness.require_checks({c: ok for v in pairs for c, ok in check_variants(v, trace, device).items()})
+            rows = [row for v in pairs for row in vllm_rows(run_variants(v, trace, args.repeats, device), trace[2],
+                                                           args.block_size)]
+            version = peer.version
+    except vllm_peer.VLLMError as error:
+        return [], str(error)
+    return rows, (f"vLLM {version} (CPU build, its own environment: {python}): the same weights as a GPT2LMHeadModel, "
+                  f"prompts as token ids, greedy; {VLLM_BLOCK}-token KV blocks (its CPU attention's multiple), the "
+                  "paged engine's budget of tokens a step, prefix caching off, in-process engine, 1 GiB of KV cache; "
+                  "each pair round-robin; vs_vllm: the paged engine's throughput / vLLM's")
+
+
 def parse_args(argv):
     """The flags, checked before any work: (args, preset, device, data)."""
     parser = harness.script_parser(__doc__)
@@ -326,6 +394,13 @@ def parse_args(argv):
                         help="instead: a trace whose requests share a system prompt and a multi-turn trace, each "
                              "through the engine with chunked prefill, without and with prefix sharing")
     serving.add_sharing_args(parser)
+    parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the trace through vLLM's CPU engine at batch 8 and 32, beside the paged engine "
+                             "(its own environment: requirements-vllm.txt; skipped with one line when absent)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the vLLM environment's Python (default: $GPTLITE_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    parser.add_argument("--vllm-timeout", type=harness.int_at_least(1), default=600,
+                        help="seconds vLLM's worker may take to answer one command before its rows are skipped")
     args = parser.parse_args(argv)
     if args.variants is not None and len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants repeats a name: {args.variants}")
@@ -381,13 +456,18 @@ def main(argv=None):
 
     rows = make_rows(run_variants(variants, trace, args.repeats, device, memory=True), trace[2])
     sweep, sweep_rows = batch_size_sweep(base, trace, args, seqlen, device) if args.sweep_batch_sizes else (None, [])
-    harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes" for r in rows + sweep_rows})
+    with engines.temp_dir() as folder:
+        peer_rows, peer_line = vllm_experiment(base, trace, args, seqlen, device, folder)
+    harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes"
+                            for r in rows + sweep_rows + peer_rows})
     prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
     print(trace_line(args, arrivals, prompt_lens, output_lens, val_loss))
     harness.report(args, "main_continuous_batching.py", preset, device, rows,
                    headline(rows, requests, args.batch_size, args.chunk_size),
-                   summary=summary_lines(rows, args.chunk_size, device), plot=lambda: plot_sweep(sweep, preset, device,
-                                                                                                 args.rate),
+                   summary=summary_lines(rows, args.chunk_size, device) + ([peer_line] if peer_line else []),
+                   tables=[harness.table(f"The paged engine and vLLM on the same trace (chunked prefill, budget batch + "
+                                         f"{args.chunk_size} tokens a step)", peer_rows)] if peer_rows else [],
+                   plot=lambda: plot_sweep(sweep, preset, device, args.rate),
                    val_loss=val_loss, trace={"n_requests": len(requests), "arrivals": arrivals,
                                              "rate": args.rate if np.isfinite(args.rate) else "inf",
                                              "prompt_lens": prompt_lens, "output_lens": output_lens},
