@@ -23,6 +23,7 @@ Mechanisms:
 - serving: what every batching scheduler shares: request checks, traces, the clock, latency figures.
 - speculative: speculative decoding's loop and its drafters (a model, heads, lookup).
 - structured_decoding: XGrammar grammars over GPTlite's characters.
+- vllm_peer, vllm_worker: vLLM's CPU engine on the same weights and traces, run in its own environment.
 
 Scaffolding:
 - corpus: tiny Shakespeare at character level, its batches and prompts.

@@ -136,3 +136,11 @@ def write_model(model, folder):
     """GPTlite `model` as a transformers GPT2LMHeadModel directory in `folder` (safetensors), for vLLM."""
     engines.to_gpt2(model).save_pretrained(folder)
     return folder
+
+
+def python_or_none(flag=None):
+    """find_python, or None where there is no vLLM environment."""
+    try:
+        return find_python(flag)
+    except VLLMError:
+        return None

@@ -207,7 +207,7 @@ def test_main_continuous_batching_end_to_end(real_data, tmp_path, capsys):
     out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
     main_continuous_batching.main(TINY_TRACE + ["--repeats", "1", "--batch-size", "2", "--chunk-size", "3", "--n-blocks", "40",
                                                 "--sweep-batch-sizes", "1", "3", "--json", str(out_json),
-                                                "--plot", str(out_png)])
+                                                "--plot", str(out_png), "--no-vllm"])
     assert "continuous / static throughput" in capsys.readouterr().out
     result = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
