@@ -399,7 +399,7 @@ def parse_args(argv):
                              "(its own environment: requirements-vllm.txt; skipped with one line when absent)")
     parser.add_argument("--vllm-python", default=None,
                         help="the vLLM environment's Python (default: $GPTLITE_VLLM_PYTHON, else .venv-vllm/bin/python)")
-    parser.add_argument("--vllm-timeout", type=harness.int_at_least(1), default=600,
+    parser.add_argument("--vllm-timeout", type=harness.int_at_least(1, 3600), default=600,
                         help="seconds vLLM's worker may take to answer one command before its rows are skipped")
     args = parser.parse_args(argv)
     if args.variants is not None and len(set(args.variants)) != len(args.variants):
