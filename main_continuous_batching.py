@@ -123,38 +123,39 @@ def run_variants(variants, trace, repeats, device, memory=False, clock_figures=N
     return results
 
 
+LATENCIES = ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms", "tpot_p99_ms", "tokens_per_s")
+
+
+def median_row(name, runs, reference, **columns):
+    """A row of a variant's runs [(outputs, figures)]: the median of each figure over the repeats, its latencies and
+    throughput, then columns[k](figures) for each extra column k; `same` only if every run matched the reference."""
+    f = serving.median_figures([f for _, f in runs])
+    same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
+    return harness.make_row(name, **{k: f[k] for k in LATENCIES}, **{k: column(f) for k, column in columns.items()},
+                            same=next((s for s in same if s != "yes"), "yes"))
+
+
+def rounded(key, digits=3):
+    return lambda f: None if f.get(key) is None else round(f[key], digits)
+
+
 def make_rows(results, reference):
-    """A row per variant: the median of each figure over the repeats; `same` only if every run matched."""
-    rows = []
-    for name, runs in results.items():
-        figures = serving.median_figures([f for _, f in runs])
-        same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
-        kv_util, contiguous = figures.get("kv_util"), figures.get("kv_util_contiguous")
-        rows.append(harness.make_row(name, kv_cache_mb=figures.get("kv_cache_mb"), peak_mem_mb=figures.get("peak_mem_mb"),
-                                **{k: figures[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
-                                                           "tpot_p99_ms", "tokens_per_s")},
-                                steps=figures["steps"], wasted=figures["wasted_slot_steps"],
-                                kv_util=None if kv_util is None else round(kv_util, 3),
-                                kv_contig=None if contiguous is None else round(contiguous, 3),
-                                preempted=figures.get("preemptions"),
-                                same=next((s for s in same if s != "yes"), "yes")))
-    return rows
+    """A row per variant of the default trace."""
+    return [median_row(name, runs, reference, kv_cache_mb=lambda f: f.get("kv_cache_mb"),
+                       peak_mem_mb=lambda f: f.get("peak_mem_mb"), steps=lambda f: f["steps"],
+                       wasted=lambda f: f["wasted_slot_steps"], kv_util=rounded("kv_util"),
+                       kv_contig=rounded("kv_util_contiguous"), preempted=lambda f: f.get("preemptions"))
+            for name, runs in results.items()]
 
 
 def sharing_rows(trace, results, reference):
-    """A row per variant of a prefix-sharing trace: the median of each figure over the repeats."""
-    rows = []
-    for name, runs in results.items():
-        f = serving.median_figures([f for _, f in runs])
-        same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
-        rows.append(harness.make_row(f"{trace}, {'prefix sharing' if name.endswith('sharing') else 'no sharing'}",
-                                **{k: f[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
-                                                     "tpot_p99_ms", "tokens_per_s")},
-                                steps=f["steps"], computed=f["computed_tokens"], hit_rate=round(f["hit_rate"], 3),
-                                kv_blocks=round(f["blocks_used"], 1), kv_blocks_peak=f["blocks_peak"],
-                                evicted=f["evictions"], cow=f["cow_copies"], preempted=f["preemptions"],
-                                same=next((s for s in same if s != "yes"), "yes")))
-    return rows
+    """A row per variant of a prefix-sharing trace."""
+    return [median_row(f"{trace}, {'prefix sharing' if name.endswith('sharing') else 'no sharing'}", runs, reference,
+                       steps=lambda f: f["steps"], computed=lambda f: f["computed_tokens"], hit_rate=rounded("hit_rate"),
+                       kv_blocks=rounded("blocks_used", 1), kv_blocks_peak=lambda f: f["blocks_peak"],
+                       evicted=lambda f: f["evictions"], cow=lambda f: f["cow_copies"],
+                       preempted=lambda f: f["preemptions"])
+            for name, runs in results.items()]
 
 
 def prefix_sharing_experiment(base, data, args, seqlen, device):
@@ -310,47 +311,54 @@ VLLM_BATCH_SIZES = (8, 32)  # the batch sizes at which the paged engine and vLLM
 VLLM_BLOCK = 32  # vLLM's CPU attention takes KV blocks of a multiple of 32 tokens
 
 
-def vllm_variants(peer, model_dir, base, batch_size, seqlen, block_size, chunk_size):
-    """The paged engine with chunked prefill and vLLM on the same slots and the same token budget a step (batch_size
-    + chunk_size: every decode and up to chunk_size prompt tokens), prefix caching off: {row name: serve}."""
-    ours = make_variants(base, batch_size, seqlen, block_size, chunk_size, names=("chunked",))
-    key = f"batch {batch_size}"
-    peer.engine(key, model_dir, seqlen, batch_size, VLLM_BLOCK, batch_size + chunk_size, chunked=True,
-                prefix_caching=False)
+def vllm_serve(peer, model_dir, key, seqlen, batch_size, token_budget, n_blocks, chunked, prefix_caching):
+    """Build vLLM engine `key` with these settings and return its serve(requests, clock) -> (outputs, figures): the
+    run's clock filled as the paged engine fills its own, the KV blocks at their peak and the prefix cache's hit rate."""
+    peer.engine(key, model_dir, seqlen, batch_size, VLLM_BLOCK, token_budget, chunked, prefix_caching, n_blocks)
 
     def serve(requests, clock):
-        outputs, run, blocks = peer.run(key, requests, clock.arrivals)
-        for name in ("first", "last", "busy", "n_steps", "now", "slot_steps"):  # the run's clock, as ours fills it
+        outputs, run, blocks, cached = peer.run(key, requests, clock.arrivals)
+        for name in ("first", "last", "busy", "n_steps", "now", "slot_steps"):
             setattr(clock, name, getattr(run, name))
-        return outputs, dict(blocks_peak=max(blocks, default=0), block_tokens=VLLM_BLOCK)
-
-    (name, fn), = ours.items()
-    return {f"{name} (batch {batch_size})": fn, f"vLLM {peer.version} (batch {batch_size})": serve}
-
-
-def vllm_rows(results, reference, block_size):
-    """A row per engine and batch size: the latencies, throughput, the KV blocks at their peak (and the tokens they
-    hold) and, on the paged engine's rows, vs_vllm: its throughput over vLLM's at the same batch size."""
-    rows = []
-    for name, runs in results.items():
-        f = serving.median_figures([f for _, f in runs])
-        block = f.get("block_tokens") or block_size
-        same = [serving.same_outputs(outputs, reference) for outputs, _ in runs]
-        rows.append(harness.make_row(name, **{k: f[k] for k in ("ttft_arrival_ms", "ttft_arrival_p99_ms", "tpot_ms",
-                                                                "tpot_p99_ms", "tokens_per_s")},
-                                     steps=f["steps"], kv_blocks_peak=f["blocks_peak"], block_tokens=block,
-                                     kv_tokens_peak=None if f["blocks_peak"] is None else f["blocks_peak"] * block,
-                                     same=next((s for s in same if s != "yes"), "yes")))
-    for ours, theirs in zip(rows[::2], rows[1::2]):
-        ratio = iu.ratio(ours["tokens_per_s"], theirs["tokens_per_s"])
-        ours["vs_vllm"] = None if ratio is None else round(ratio, 2)
-    return rows
+        return outputs, dict(blocks_peak=max(blocks, default=0), block_tokens=VLLM_BLOCK,
+                             hit_rate=sum(cached) / sum(len(p) for p, _ in requests))
+    return serve
 
 
-def vllm_experiment(base, trace, args, seqlen, device, folder):
-    """The paged engine and vLLM on the default trace at VLLM_BATCH_SIZES, each pair checked (every request's tokens
-    equal generating it alone) and then timed round-robin: (rows, the summary line), or ([], the one line that
-    says why there are none)."""
+def vllm_blocks(n_blocks, block_size):
+    """vLLM's pool for the KV memory of the paged engine's n_blocks blocks of block_size tokens: VLLM_BLOCK-token
+    blocks holding as many tokens (rounded up)."""
+    return -(-n_blocks * block_size // VLLM_BLOCK)
+
+
+def vllm_experiments(base, trace, args, seqlen):
+    """The default trace's pairs (the paged engine, vLLM) for vllm_tables: at each of VLLM_BATCH_SIZES, chunked
+    prefill with the same token budget a step (batch + chunk size); on a trace of long prompts (a median of
+    LONG_PROMPT_CHUNKS chunks or more), also whole prompts against vLLM without chunked prefill and chunks 4 times
+    larger, at --batch-size. Both engines have the same slots and KV memory (a contiguous cache's), prefix caching off."""
+    chunk, median = args.chunk_size, iu.median([len(p) for p, _ in trace[0]])
+
+    def pairs(vllm, version):
+        def pair(batch, name, chunk_size, label, **settings):
+            n_blocks = batch * seqlen // args.block_size
+            (ours, serve), = make_variants(base, batch, seqlen, args.block_size, chunk_size, n_blocks, (name,)).items()
+            return ("", trace, {f"{ours} (batch {batch})": serve, f"vLLM {version}, {label} (batch {batch})": vllm(
+                batch_size=batch, n_blocks=vllm_blocks(n_blocks, args.block_size), **settings)}, None)
+        b, long = args.batch_size, median >= LONG_PROMPT_CHUNKS * chunk
+        whole = [pair(b, "paged", chunk, "no chunked prefill", token_budget=b * seqlen, chunked=False)] if long else []
+        chunked = [pair(batch, "chunked", chunk, f"budget {batch + chunk}", token_budget=batch + chunk)
+                   for batch in VLLM_BATCH_SIZES]
+        larger = [pair(b, "chunked", 4 * chunk, f"budget {b + 4 * chunk}", token_budget=b + 4 * chunk)] if long else []
+        return whole + chunked + larger
+    return pairs
+
+
+def vllm_tables(base, args, seqlen, device, folder, experiments):
+    """vLLM beside the paged engine: experiments(vllm, version) -> [(label, trace, {name: serve}, clock_figures)],
+    the engines' variants in pairs (the paged engine's, then vLLM's), where vllm(**settings) is the serve of a vLLM
+    engine with those settings (vllm_serve's; built once per settings). Every variant of every experiment is checked
+    (every request's tokens equal generating it alone), then each experiment is timed round-robin. Returns
+    ([(trace, results)], the line that says how vLLM ran) or ([], the one line that says why it did not)."""
     if not args.vllm:
         return [], None
     if device.type != "cpu":
@@ -358,19 +366,41 @@ def vllm_experiment(base, trace, args, seqlen, device, folder):
     try:
         python = vllm_peer.find_python(args.vllm_python)
         with vllm_peer.VLLMPeer(python, timeout=args.vllm_timeout, log=f"{folder}/vllm.log") as peer:
-            model_dir = vllm_peer.write_model(base, f"{folder}/model")
-            pairs = [vllm_variants(peer, model_dir, base, b, seqlen, args.block_size, args.chunk_size)
-                     for b in VLLM_BATCH_SIZES]
-            harness.require_checks({c: ok for v in pairs for c, ok in check_variants(v, trace, device).items()})
-            rows = [row for v in pairs for row in vllm_rows(run_variants(v, trace, args.repeats, device), trace[2],
-                                                           args.block_size)]
+            model_dir, built = vllm_peer.write_model(base, f"{folder}/model"), {}
+
+            def vllm(batch_size, token_budget, n_blocks, chunked=True, prefix_caching=False):
+                key = (batch_size, token_budget, n_blocks, chunked, prefix_caching)
+                if key not in built:
+                    built[key] = vllm_serve(peer, model_dir, f"engine {len(built)}", seqlen, *key)
+                return built[key]
+
+            runs = experiments(vllm, peer.version)
+            harness.require_checks({c: ok for label, t, v, _ in runs for c, ok in check_variants(v, t, device, label).items()})
+            results = [(t, run_variants(v, t, args.repeats, device, clock_figures=figures)) for _, t, v, figures in runs]
             version = peer.version
     except vllm_peer.VLLMError as error:
         return [], str(error)
-    return rows, (f"vLLM {version} (CPU build, its own environment: {python}): the same weights as a GPT2LMHeadModel, "
-                  f"prompts as token ids, greedy; {VLLM_BLOCK}-token KV blocks (its CPU attention's multiple), the "
-                  "paged engine's budget of tokens a step, prefix caching off, in-process engine, 1 GiB of KV cache; "
-                  "each pair round-robin; vs_vllm: the paged engine's throughput / vLLM's")
+    return results, (f"vLLM {version} (CPU build, its own environment: {python}): the same weights as a GPT2LMHeadModel, "
+                     f"prompts as token ids, greedy; {VLLM_BLOCK}-token KV blocks (its CPU attention's multiple) holding "
+                     "as many tokens as the paged engine's pool, the same slots and token budget a step, in-process "
+                     "engine; each pair round-robin; vs_vllm: the paged engine's throughput / vLLM's")
+
+
+def vllm_rows(results, block_size, hit_rate=False):
+    """A row per engine of each pair: latencies, throughput, steps and ms a step, the KV blocks at their peak (and the
+    tokens they hold), with `hit_rate` the prefix cache's; on the paged engine's rows, vs_vllm: its throughput over
+    vLLM's in the same pair."""
+    rows = []
+    for trace, pair in results:
+        ours, theirs = (median_row(name, runs, trace[2], steps=lambda f: f["steps"], step_ms=rounded("step_ms"),
+                                   **{"hit_rate": rounded("hit_rate")} if hit_rate else {},
+                                   kv_blocks_peak=lambda f: f["blocks_peak"],
+                                   block_tokens=lambda f: f.get("block_tokens") or block_size,
+                                   kv_tokens_peak=lambda f: f["blocks_peak"] * (f.get("block_tokens") or block_size))
+                        for name, runs in pair.items())
+        ratio = iu.ratio(ours["tokens_per_s"], theirs["tokens_per_s"])
+        rows += [dict(ours, vs_vllm=None if ratio is None else round(ratio, 2)), theirs]
+    return rows
 
 
 def parse_args(argv):
@@ -457,7 +487,9 @@ def main(argv=None):
     rows = make_rows(run_variants(variants, trace, args.repeats, device, memory=True), trace[2])
     sweep, sweep_rows = batch_size_sweep(base, trace, args, seqlen, device) if args.sweep_batch_sizes else (None, [])
     with engines.temp_dir() as folder:
-        peer_rows, peer_line = vllm_experiment(base, trace, args, seqlen, device, folder)
+        peer_results, peer_line = vllm_tables(base, args, seqlen, device, folder,
+                                              vllm_experiments(base, trace, args, seqlen))
+    peer_rows = vllm_rows(peer_results, args.block_size)
     harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes"
                             for r in rows + sweep_rows + peer_rows})
     prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
@@ -465,8 +497,8 @@ def main(argv=None):
     harness.report(args, "main_continuous_batching.py", preset, device, rows,
                    headline(rows, requests, args.batch_size, args.chunk_size),
                    summary=summary_lines(rows, args.chunk_size, device) + ([peer_line] if peer_line else []),
-                   tables=[harness.table(f"The paged engine and vLLM on the same trace (chunked prefill, budget batch + "
-                                         f"{args.chunk_size} tokens a step)", peer_rows)] if peer_rows else [],
+                   tables=[harness.table("The paged engine and vLLM on the same trace: the same slots, token budget a "
+                                         "step and KV memory", peer_rows)] if peer_rows else [],
                    plot=lambda: plot_sweep(sweep, preset, device, args.rate),
                    val_loss=val_loss, trace={"n_requests": len(requests), "arrivals": arrivals,
                                              "rate": args.rate if np.isfinite(args.rate) else "inf",

@@ -161,7 +161,8 @@ class ServingClock:
 
 
 def latency_figures(clock):
-    """p50/p99 TTFT from arrival and TPOT (ms) and throughput (tokens per busy second) of a finished run."""
+    """p50/p99 TTFT from arrival and TPOT (ms), throughput (tokens per busy second) and the mean step (ms) of a
+    finished run."""
     if None in clock.last:
         raise RuntimeError(f"{clock.last.count(None)} requests never finished; this is a bug")
     ttft = [(f - a) * 1e3 for f, a in zip(clock.first, clock.arrivals)]
@@ -171,7 +172,8 @@ def latency_figures(clock):
     ms = lambda values, q: round(float(np.percentile(values, q)), 3)  # noqa: E731  (all rounded alike: p50 <= p99 stays true)
     return dict(ttft_arrival_ms=ms(ttft, 50), ttft_arrival_p99_ms=ms(ttft, 99), tpot_ms=ms(tpot, 50),
                 tpot_p99_ms=ms(tpot, 99), tokens_per_s=n_generated / clock.busy if clock.busy > 0 else None,
-                steps=clock.n_steps, wasted_slot_steps=max(clock.slot_steps - n_generated, 0))
+                steps=clock.n_steps, step_ms=clock.busy * 1e3 / clock.n_steps if clock.n_steps else None,
+                wasted_slot_steps=max(clock.slot_steps - n_generated, 0))
 
 
 def median_figures(runs):

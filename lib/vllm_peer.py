@@ -111,16 +111,20 @@ class VLLMPeer:
             raise VLLMError(f"vLLM failed during {what}: {answer['error']}; its rows are skipped")
         return answer
 
-    def engine(self, key, model_dir, seqlen, batch_size, block_size, token_budget, chunked, prefix_caching):
+    def engine(self, key, model_dir, seqlen, batch_size, block_size, token_budget, chunked, prefix_caching,
+               n_blocks=None):
         """Build engine `key`: at most batch_size sequences, KV blocks of block_size tokens, token_budget tokens a
-        step (prompts split into chunks when `chunked`), automatic prefix caching on or off."""
+        step (prompts split into chunks when `chunked`), automatic prefix caching on or off, a pool of n_blocks
+        blocks that vLLM can fill (its null block comes on top; None: what 1 GiB holds)."""
         self._call(dict(cmd="engine", key=key, model=str(model_dir), max_model_len=seqlen, max_num_seqs=batch_size,
                         block_size=block_size, max_num_batched_tokens=token_budget, enable_chunked_prefill=chunked,
-                        enable_prefix_caching=prefix_caching), f"the start of engine {key}")
+                        enable_prefix_caching=prefix_caching, num_blocks=None if n_blocks is None else n_blocks + 1),
+                   f"the start of engine {key}")
 
     def run(self, key, requests, arrivals):
         """The trace through engine `key`: (outputs [prompt + new tokens, 1-D LongTensor] in request order, the
-        serving clock of the run (serving.latency_figures reads it), KV blocks in use after each step)."""
+        serving clock of the run (serving.latency_figures reads it), KV blocks in use after each step (its null block
+        not counted), each request's prompt tokens found in the prefix cache)."""
         import torch
         answer = self._call(dict(cmd="run", key=key, prompts=[p.tolist() for p, _ in requests],
                                  n_tokens=[n for _, n in requests], arrivals=list(arrivals)), f"a run of {key}")
@@ -129,7 +133,7 @@ class VLLMPeer:
         clock.now = max(answer["last"]) if requests else 0.0
         clock.slot_steps = sum(n for _, n in requests)  # vLLM does not say its padded rows: none counted as wasted
         outputs = [torch.cat([p, p.new_tensor(t)]) for (p, _), t in zip(requests, answer["tokens"])]
-        return outputs, clock, answer["blocks"]
+        return outputs, clock, [b - 1 for b in answer["blocks"]], answer["cached"]
 
 
 def write_model(model, folder):

@@ -6,12 +6,14 @@ Runs only with the standard library and vllm (it is not run by the repository's 
 of the repository). Commands, each answered by one JSON line on the file descriptor RESULT_FD (vLLM's own logs go
 to stdout and stderr):
 - {"cmd": "engine", "key": K, "model": DIR, "max_model_len": S, "max_num_seqs": B, "block_size": N,
-  "max_num_batched_tokens": T, "enable_chunked_prefill": bool, "enable_prefix_caching": bool}: build an engine
-  (vLLM's LLM, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0), kept under K.
+  "max_num_batched_tokens": T, "enable_chunked_prefill": bool, "enable_prefix_caching": bool, "num_blocks": M}:
+  build an engine (vLLM's LLM, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0) with a pool of M KV blocks (vLLM's
+  null block included; null: what 1 GiB holds), kept under K.
 - {"cmd": "run", "key": K, "prompts": [[ids]], "n_tokens": [n], "arrivals": [s]}: replay the trace through engine K
   on the serving clock of lib/serving.py (measured step times, idle gaps skipped: a request is added once the clock
-  has passed its arrival), greedy, exactly n_tokens new tokens each. Answers the tokens, each request's first and
-  last token's clock, the busy seconds, the steps and the KV blocks in use after each step.
+  has passed its arrival), greedy, exactly n_tokens new tokens each, from an empty prefix cache. Answers the tokens,
+  each request's first and last token's clock and its prompt tokens found in the prefix cache, the busy seconds,
+  the steps and the KV blocks in use after each step.
 - {"cmd": "quit"}.
 """
 import json
@@ -28,7 +30,8 @@ def build(command):
                max_model_len=command["max_model_len"], max_num_seqs=command["max_num_seqs"],
                block_size=command["block_size"], max_num_batched_tokens=command["max_num_batched_tokens"],
                enable_chunked_prefill=command["enable_chunked_prefill"],
-               enable_prefix_caching=command["enable_prefix_caching"])
+               enable_prefix_caching=command["enable_prefix_caching"],
+               num_gpu_blocks_override=command.get("num_blocks"))
 
 
 def block_pool(llm):
@@ -44,7 +47,8 @@ def replay(llm, command):
     engine, pool = llm.llm_engine, block_pool(llm)
     arrivals, n_tokens = command["arrivals"], command["n_tokens"]
     n = len(arrivals)
-    tokens, first, last = [None] * n, [None] * n, [None] * n
+    tokens, first, last, cached = [None] * n, [None] * n, [None] * n, [0] * n
+    llm.reset_prefix_cache()  # each run starts cold, as a new engine of the repository's does
     now = busy = 0.0
     steps, blocks = 0, []
     waiting = deque(sorted(range(n), key=lambda i: arrivals[i]))
@@ -68,8 +72,8 @@ def replay(llm, command):
             if got and first[i] is None:
                 first[i] = now
             if out.finished:
-                last[i], tokens[i] = now, got
-    return {"tokens": tokens, "first": first, "last": last, "busy": busy, "steps": steps, "blocks": blocks,
+                last[i], tokens[i], cached[i] = now, got, out.num_cached_tokens or 0
+    return {"tokens": tokens, "first": first, "last": last, "busy": busy, "steps": steps, "blocks": blocks, "cached": cached,
             "n_blocks": None if pool is None else pool.num_gpu_blocks}
 
 
