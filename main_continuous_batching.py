@@ -161,7 +161,8 @@ def sharing_rows(trace, results, reference):
 def prefix_sharing_experiment(base, data, args, seqlen, device):
     """The system-prompt and the multi-turn traces through the engine with chunked prefill, without and
     with prefix sharing, round-robin; every variant of every trace checked before anything is timed.
-    Returns the rows, the summary lines and the traces' sizes."""
+    Returns the rows, the summary lines, the traces' sizes and the experiments [(trace, (requests, arrivals,
+    reference), clock_figures, variants, KV blocks of the pool)]."""
     cached = iu.kv_cache_model(base)
     system = serving.make_shared_prefix_trace(data.val, args.n_requests, args.rate, seqlen, args.system_len,
                                               args.prompt_median, args.output_median, seed=args.seed, device=device)
@@ -173,13 +174,14 @@ def prefix_sharing_experiment(base, data, args, seqlen, device):
     system, turns = [(*t, serving.reference_outputs(cached, t[0], seqlen)) for t in (system, turns)]
     variants = lambda names, n_blocks=args.n_blocks: make_variants(  # noqa: E731
         base, args.batch_size, seqlen, args.block_size, args.chunk_size, n_blocks, names)
-    experiments = [("system prompt", system, None, variants(("chunked", "shared"))),
-                   ("multi-turn", turns, early, variants(("chunked", "shared"))),
-                   (f"multi-turn, {roomy_blocks} blocks", turns, early, variants(("shared",), roomy_blocks))]
-    harness.require_checks({check: ok for trace, t, _, v in experiments  # checks first
+    n_blocks = args.n_blocks or args.batch_size * seqlen // args.block_size  # make_variants' default
+    experiments = [("system prompt", system, None, variants(("chunked", "shared")), n_blocks),
+                   ("multi-turn", turns, early, variants(("chunked", "shared")), n_blocks),
+                   (f"multi-turn, {roomy_blocks} blocks", turns, early, variants(("shared",), roomy_blocks), roomy_blocks)]
+    harness.require_checks({check: ok for trace, t, _, v, _ in experiments  # checks first
                             for check, ok in check_variants(v, t, device, f"{trace}: ").items()})
     rows, lines, early_turns, off = [], [], 0, None
-    for trace, (requests, arrivals, reference), figures, v in experiments:
+    for trace, (requests, arrivals, reference), figures, v, _ in experiments:
         results = run_variants(v, (requests, arrivals, reference), args.repeats, device, clock_figures=figures)
         early_turns = max([early_turns] + [f.get("early", 0) for runs in results.values() for _, f in runs])
         *maybe_off, on = sharing_rows(trace, results, reference)
@@ -193,20 +195,47 @@ def prefix_sharing_experiment(base, data, args, seqlen, device):
     lines.append(f"multi-turn: {early_turns} of {len(previous) - previous.count(None)} later turns arrived before the "
                  f"previous turn's answer ended (think time {args.think_time:g} s; most in any run)")
     return rows, lines, dict(roomy_blocks=roomy_blocks, prompt_lens={
-        "system_prompt": [len(p) for p, _ in system[0]], "multi_turn": [len(p) for p, _ in turns[0]]})
+        "system_prompt": [len(p) for p, _ in system[0]], "multi_turn": [len(p) for p, _ in turns[0]]}), experiments
+
+
+def vllm_sharing_experiments(experiments, args):
+    """The prefix-sharing experiments' pairs for vllm_tables: each variant of the paged engine beside vLLM with the
+    same slots, token budget a step (batch + chunk size) and KV memory, its automatic prefix caching off where the
+    engine shares no blocks and on where it does."""
+    def pairs(vllm, version):
+        out = []
+        for trace, t, figures, variants, n_blocks in experiments:
+            both = {}
+            for name, serve in variants.items():
+                sharing = name.endswith("sharing")
+                both[f"{trace}, {'prefix sharing' if sharing else 'no sharing'}"] = serve
+                both[f"{trace}, vLLM {version}, prefix caching {'on' if sharing else 'off'}"] = vllm(
+                    batch_size=args.batch_size, token_budget=args.batch_size + args.chunk_size,
+                    n_blocks=vllm_blocks(n_blocks, args.block_size), prefix_caching=sharing)
+            out += [(f"{trace}: ", t, dict(list(both.items())[i:i + 2]), figures) for i in range(0, len(both), 2)]
+        return out
+    return pairs
 
 
 def run_prefix_sharing(base, data, args, preset, device):
     """--prefix-sharing: the table of prefix sharing, checks before anything is timed or written."""
-    rows, summary, extra = prefix_sharing_experiment(base, data, args, preset.seqlen, device)
-    harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes" for r in rows})
+    rows, summary, extra, experiments = prefix_sharing_experiment(base, data, args, preset.seqlen, device)
+    with engines.temp_dir() as folder:
+        peer_results, peer_line = vllm_tables(base, args, preset.seqlen, device, folder,
+                                              vllm_sharing_experiments(experiments, args))
+    peer_rows = vllm_rows(peer_results, args.block_size, hit_rate=True)
+    harness.require_checks({f"{r['variant']}, timed runs: the same tokens": r["same"] == "yes" for r in rows + peer_rows})
     print(f"\n{args.n_requests} requests at {args.rate:g}/s after a {args.system_len}-token system prompt; "
           f"{args.n_requests // args.turns} conversations of {args.turns} turns, {args.think_time:g} s apart. Engine: "
           f"chunked prefill {args.chunk_size}, batch size {args.batch_size}, KV blocks of {args.block_size} tokens; "
           f"median of {args.repeats} runs, round-robin. hit_rate: prompt tokens found cached / prompt tokens; "
           "kv_blocks: blocks held by sequences (a shared one once), mean over steps and peak; cow: copies on write")
     harness.report(args, "main_continuous_batching.py", preset, device, rows,
-                   prefix_sharing_headline(rows, args.system_len, args.turns, extra["roomy_blocks"]), summary=summary,
+                   prefix_sharing_headline(rows, args.system_len, args.turns, extra["roomy_blocks"]),
+                   summary=summary + ([peer_line] if peer_line else []),
+                   tables=[harness.table("The paged engine and vLLM on the same traces, blocks shared (prefix caching) "
+                                         "or not: the same slots, token budget a step and KV memory", peer_rows)]
+                   if peer_rows else [],
                    batch_size=args.batch_size, block_size=args.block_size, system_len=args.system_len,
                    turns=args.turns, think_time=args.think_time, **extra)
 
