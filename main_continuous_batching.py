@@ -68,11 +68,16 @@ VARIANTS = ("static", "continuous", "paged", "chunked", "shared")  # --variants:
 LONG_PROMPT_CHUNKS = 4  # a median prompt of this many chunks or more: the headline of chunked prefill
 
 
+def contiguous_blocks(batch_size, seqlen, block_size):
+    """The paged pool's default: the memory of a contiguous cache of seqlen slots for each of batch_size sequences."""
+    return batch_size * seqlen // block_size
+
+
 def make_variants(base, batch_size, seqlen, block_size, chunk_size, n_blocks=None, names=VARIANTS[:4]):
     """{row name: serve(requests, clock) -> (outputs, figures)} of the variants `names`, in that order, all with
     `batch_size` slots; the paged ones with a pool of n_blocks blocks of block_size tokens (default: the memory
     of a contiguous cache, batch_size * seqlen tokens) and chunk_size prefill tokens per step when chunked."""
-    n_blocks = n_blocks or batch_size * seqlen // block_size
+    n_blocks = n_blocks or contiguous_blocks(batch_size, seqlen, block_size)
 
     def engine(chunk, prefix_sharing=False):
         def serve(requests, clock):
@@ -174,7 +179,7 @@ def prefix_sharing_experiment(base, data, args, seqlen, device):
     system, turns = [(*t, serving.reference_outputs(cached, t[0], seqlen)) for t in (system, turns)]
     variants = lambda names, n_blocks=args.n_blocks: make_variants(  # noqa: E731
         base, args.batch_size, seqlen, args.block_size, args.chunk_size, n_blocks, names)
-    n_blocks = args.n_blocks or args.batch_size * seqlen // args.block_size  # make_variants' default
+    n_blocks = args.n_blocks or contiguous_blocks(args.batch_size, seqlen, args.block_size)
     experiments = [("system prompt", system, None, variants(("chunked", "shared")), n_blocks),
                    ("multi-turn", turns, early, variants(("chunked", "shared")), n_blocks),
                    (f"multi-turn, {roomy_blocks} blocks", turns, early, variants(("shared",), roomy_blocks), roomy_blocks)]
@@ -205,14 +210,13 @@ def vllm_sharing_experiments(experiments, args):
     def pairs(vllm, version):
         out = []
         for trace, t, figures, variants, n_blocks in experiments:
-            both = {}
             for name, serve in variants.items():
                 sharing = name.endswith("sharing")
-                both[f"{trace}, {'prefix sharing' if sharing else 'no sharing'}"] = serve
-                both[f"{trace}, vLLM {version}, prefix caching {'on' if sharing else 'off'}"] = vllm(
-                    batch_size=args.batch_size, token_budget=args.batch_size + args.chunk_size,
-                    n_blocks=vllm_blocks(n_blocks, args.block_size), prefix_caching=sharing)
-            out += [(f"{trace}: ", t, dict(list(both.items())[i:i + 2]), figures) for i in range(0, len(both), 2)]
+                out.append((f"{trace}: ", t, {
+                    f"{trace}, {'prefix sharing' if sharing else 'no sharing'}": serve,
+                    f"{trace}, vLLM {version}, prefix caching {'on' if sharing else 'off'}": vllm(
+                        batch_size=args.batch_size, token_budget=args.batch_size + args.chunk_size,
+                        n_blocks=vllm_blocks(n_blocks, args.block_size), prefix_caching=sharing)}, figures))
         return out
     return pairs
 
@@ -346,9 +350,7 @@ def vllm_serve(peer, model_dir, key, seqlen, batch_size, token_budget, n_blocks,
     peer.engine(key, model_dir, seqlen, batch_size, VLLM_BLOCK, token_budget, chunked, prefix_caching, n_blocks)
 
     def serve(requests, clock):
-        outputs, run, blocks, cached = peer.run(key, requests, clock.arrivals)
-        for name in ("first", "last", "busy", "n_steps", "now", "slot_steps"):
-            setattr(clock, name, getattr(run, name))
+        outputs, blocks, cached = peer.run(key, requests, clock)
         return outputs, dict(blocks_peak=max(blocks, default=0), block_tokens=VLLM_BLOCK,
                              hit_rate=sum(cached) / sum(len(p) for p, _ in requests))
     return serve
@@ -369,7 +371,7 @@ def vllm_experiments(base, trace, args, seqlen):
 
     def pairs(vllm, version):
         def pair(batch, name, chunk_size, label, **settings):
-            n_blocks = batch * seqlen // args.block_size
+            n_blocks = contiguous_blocks(batch, seqlen, args.block_size)
             (ours, serve), = make_variants(base, batch, seqlen, args.block_size, chunk_size, n_blocks, (name,)).items()
             return ("", trace, {f"{ours} (batch {batch})": serve, f"vLLM {version}, {label} (batch {batch})": vllm(
                 batch_size=batch, n_blocks=vllm_blocks(n_blocks, args.block_size), **settings)}, None)

@@ -16,7 +16,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from lib import engines, serving
+from lib import engines
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -40,7 +40,7 @@ def find_python(flag=None):
 
 class VLLMPeer:
     """`with VLLMPeer(python, timeout) as peer:` a worker process in vLLM's environment; peer.engine(...) builds an
-    engine under a key, peer.run(key, trace) replays a trace through it."""
+    engine under a key, peer.run(key, requests, clock) replays a trace through it."""
 
     def __init__(self, python, timeout=600, log=None):
         self.python, self.timeout, self.log = python, timeout, log
@@ -121,19 +121,19 @@ class VLLMPeer:
                         enable_prefix_caching=prefix_caching, num_blocks=None if n_blocks is None else n_blocks + 1),
                    f"the start of engine {key}")
 
-    def run(self, key, requests, arrivals):
-        """The trace through engine `key`: (outputs [prompt + new tokens, 1-D LongTensor] in request order, the
-        serving clock of the run (serving.latency_figures reads it), KV blocks in use after each step (its null block
-        not counted), each request's prompt tokens found in the prefix cache)."""
+    def run(self, key, requests, clock):
+        """The trace (requests, clock.arrivals) through engine `key`, its times written into the serving clock `clock`
+        as the paged engine writes its own (serving.latency_figures reads it): (outputs [prompt + new tokens, 1-D
+        LongTensor] in request order, KV blocks in use after each step (its null block not counted), each request's
+        prompt tokens found in the prefix cache)."""
         import torch
         answer = self._call(dict(cmd="run", key=key, prompts=[p.tolist() for p, _ in requests],
-                                 n_tokens=[n for _, n in requests], arrivals=list(arrivals)), f"a run of {key}")
-        clock = serving.ServingClock(arrivals, [n for _, n in requests])
+                                 n_tokens=[n for _, n in requests], arrivals=list(clock.arrivals)), f"a run of {key}")
         clock.first, clock.last, clock.busy, clock.n_steps = answer["first"], answer["last"], answer["busy"], answer["steps"]
         clock.now = max(answer["last"]) if requests else 0.0
         clock.slot_steps = sum(n for _, n in requests)  # vLLM does not say its padded rows: none counted as wasted
         outputs = [torch.cat([p, p.new_tensor(t)]) for (p, _), t in zip(requests, answer["tokens"])]
-        return outputs, clock, [b - 1 for b in answer["blocks"]], answer["cached"]
+        return outputs, [b - 1 for b in answer["blocks"]], answer["cached"]
 
 
 def write_model(model, folder):

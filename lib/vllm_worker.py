@@ -73,8 +73,8 @@ def replay(llm, command):
                 first[i] = now
             if out.finished:
                 last[i], tokens[i], cached[i] = now, got, out.num_cached_tokens or 0
-    return {"tokens": tokens, "first": first, "last": last, "busy": busy, "steps": steps, "blocks": blocks, "cached": cached,
-            "n_blocks": None if pool is None else pool.num_gpu_blocks}
+    return {"tokens": tokens, "first": first, "last": last, "busy": busy, "steps": steps, "blocks": blocks,
+            "cached": cached}
 
 
 def main():
